@@ -1,0 +1,78 @@
+# Front door. `make help` lists the targets. Pins come from versions.env (the one source of truth).
+include versions.env
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+
+VENV := .venv
+PY := $(VENV)/bin/python
+CLI := $(VENV)/bin/ternary-serve
+COMPOSE := docker compose
+
+# Operator choices (make VAR=value): see README "Configuration".
+BACKEND ?= cuda
+ENGINE_SOURCE ?= git
+MODEL_DIR ?= $(CURDIR)/models
+MODEL_FILE ?= model.gguf
+PUBLISH_ADDRESS ?= 127.0.0.1
+PUBLISH_PORT ?= 8080
+# One image for all three base-image roles, e.g. a local stand-in where no registry is reachable.
+BASE_IMAGE_OVERRIDE ?=
+# The stand-in that tests/bootstrap.py builds on machines without registry access.
+STAND_IN_IMAGE := local/debian:bookworm-test
+
+BASE_IMAGE_FLAGS := $(if $(BASE_IMAGE_OVERRIDE),--build-base-image $(BASE_IMAGE_OVERRIDE) \
+	--runtime-base-image $(BASE_IMAGE_OVERRIDE) --smoke-base-image $(BASE_IMAGE_OVERRIDE))
+
+.PHONY: help venv config build up down smoke logs demo test lint bootstrap
+
+help: ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml
+	python3 tests/bootstrap.py engine-source
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q vendor/llama.cpp/gguf-py -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed ## Python environment with the package and dev tools
+
+config: venv ## write .env and state/llama-server.env from versions.env and templates/
+	$(CLI) config --backend $(BACKEND) --engine-source $(ENGINE_SOURCE) \
+		--model-dir $(MODEL_DIR) --model-file $(MODEL_FILE) \
+		--publish-address $(PUBLISH_ADDRESS) --publish-port $(PUBLISH_PORT) $(BASE_IMAGE_FLAGS)
+
+build: config ## build the server and smoke images (tags carry version, engine ref, backend)
+	$(COMPOSE) build
+
+up: build ## start the stack, wait for /health, then require the smoke test to pass
+	$(COMPOSE) up -d --wait --wait-timeout 900 llama-server
+	$(COMPOSE) run --rm smoke
+
+smoke: ## smoke test the running stack again
+	$(COMPOSE) run --rm smoke
+
+logs: ## follow the server's logs
+	$(COMPOSE) logs -f llama-server
+
+down: ## stop the stack (models and images stay)
+	$(COMPOSE) down
+
+bootstrap: ## install and start Docker, Compose, buildx; build the base stand-in; fetch engine source
+	python3 tests/bootstrap.py all
+
+demo: bootstrap venv ## no GPU, no registry: serve a synthetic tiny ternary model on the CPU stack
+	$(CLI) synth $(MODEL_DIR)/tiny-ternary.gguf --profile tiny
+	$(MAKE) up BACKEND=cpu ENGINE_SOURCE=local MODEL_FILE=tiny-ternary.gguf \
+		BASE_IMAGE_OVERRIDE=$(STAND_IN_IMAGE)
+
+lint: venv ## ruff, yamllint, hadolint
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/yamllint -s .
+	$(VENV)/bin/hadolint docker/Dockerfile
+
+test: bootstrap venv lint ## everything CI runs: lint, unit tests, the CPU stack end to end in Docker
+	$(PY) -m pytest -ra

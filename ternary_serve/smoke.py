@@ -1,0 +1,210 @@
+"""Smoke test an OpenAI-compatible llama-server: health, model list, and streamed chat round trips.
+
+Reports time to first token and decode tokens/s per prompt. Any failure prints one line saying
+which check failed and why, and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import requests
+
+PROMPTS = {
+    # A CJK prompt exercises multi-byte tokenization and UTF-8 streaming.
+    "zh": "用一句话介绍你自己。",
+    "code": "Write a Python function that returns the n-th Fibonacci number.",
+}
+
+
+class SmokeFailure(Exception):
+    """One failed check; the message names the check and what came back."""
+
+
+@dataclass
+class RoundTrip:
+    prompt: str
+    completion_tokens: int
+    ttft_s: float
+    decode_tokens_per_s: float | None
+    decode_measured_by: str
+    finish_reason: str
+    text: str
+
+
+def _json(resp: requests.Response, what: str) -> dict:
+    try:
+        body = resp.json()
+    except ValueError as exc:
+        raise SmokeFailure(
+            f"{what}: HTTP {resp.status_code}, body is not JSON: {resp.text[:120]!r}"
+        ) from exc
+    if not isinstance(body, dict):
+        raise SmokeFailure(f"{what}: expected a JSON object, got {type(body).__name__}")
+    return body
+
+
+def check_health(session: requests.Session, base: str, timeout: float) -> None:
+    resp = session.get(f"{base}/health", timeout=timeout)
+    body = _json(resp, "GET /health")
+    if resp.status_code != 200 or body.get("status") != "ok":
+        raise SmokeFailure(f"GET /health: HTTP {resp.status_code} {body}: server is not ready")
+
+
+def list_models(session: requests.Session, base: str, timeout: float) -> list[str]:
+    resp = session.get(f"{base}/v1/models", timeout=timeout)
+    body = _json(resp, "GET /v1/models")
+    data = body.get("data")
+    if resp.status_code != 200 or not isinstance(data, list) or not data:
+        raise SmokeFailure(f"GET /v1/models: HTTP {resp.status_code}, no models listed: {body}")
+    ids = [m.get("id") for m in data if isinstance(m, dict)]
+    if not all(isinstance(i, str) and i for i in ids):
+        raise SmokeFailure(f"GET /v1/models: entries without an id: {data}")
+    return ids
+
+
+def _sse_events(resp: requests.Response):
+    for raw in resp.iter_lines(decode_unicode=False):
+        if not raw:
+            continue
+        line = raw.decode("utf-8")
+        if not line.startswith("data:"):
+            raise SmokeFailure(f"chat stream: expected 'data:' lines, got {line[:120]!r}")
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        try:
+            yield json.loads(payload)
+        except ValueError as exc:
+            raise SmokeFailure(f"chat stream: event is not JSON: {payload[:120]!r}") from exc
+    raise SmokeFailure("chat stream: ended without [DONE]")
+
+
+def chat_round_trip(
+    session: requests.Session,
+    base: str,
+    model: str,
+    name: str,
+    prompt: str,
+    max_tokens: int,
+    ignore_eos: bool,
+    timeout: float,
+) -> RoundTrip:
+    what = f"chat[{name}]"
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if ignore_eos:
+        body["ignore_eos"] = True  # llama-server extension: fixed-length decode for measurements
+    started = time.perf_counter()
+    resp = session.post(f"{base}/v1/chat/completions", json=body, stream=True, timeout=timeout)
+    if resp.status_code != 200:
+        raise SmokeFailure(f"{what}: HTTP {resp.status_code}: {resp.text[:200]!r}")
+    first = last = None
+    pieces: list[str] = []
+    chunks = 0
+    usage_tokens = None
+    server_decode = None
+    finish_reason = None
+    for event in _sse_events(resp):
+        if not isinstance(event, dict):
+            raise SmokeFailure(f"{what}: stream event is not an object: {event!r}")
+        if event.get("usage"):
+            usage_tokens = event["usage"].get("completion_tokens")
+        if isinstance(event.get("timings"), dict):  # llama-server's own decode timing
+            server_decode = event["timings"].get("predicted_per_second")
+        choices = event.get("choices")
+        if not isinstance(choices, list):
+            raise SmokeFailure(f"{what}: stream event without choices: {str(event)[:160]}")
+        for choice in choices:
+            delta = choice.get("delta")
+            if not isinstance(delta, dict):
+                raise SmokeFailure(f"{what}: choice without a delta: {str(choice)[:160]}")
+            text = delta.get("content") or delta.get("reasoning_content")
+            if text:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                chunks += 1
+                pieces.append(text)
+            finish_reason = choice.get("finish_reason") or finish_reason
+    tokens = usage_tokens if isinstance(usage_tokens, int) else chunks
+    if tokens < 1 or first is None:
+        raise SmokeFailure(f"{what}: the server generated no tokens")
+    if finish_reason not in ("stop", "length"):
+        raise SmokeFailure(f"{what}: finish_reason {finish_reason!r}, expected stop or length")
+    # Chunks can arrive in bursts, so the server's timing is preferred over arrival times.
+    if isinstance(server_decode, (int, float)):
+        decode, measured_by = float(server_decode), "server"
+    elif tokens > 1 and last > first:
+        decode, measured_by = (tokens - 1) / (last - first), "client"
+    else:
+        decode, measured_by = None, "n/a"
+    return RoundTrip(
+        name, tokens, first - started, decode, measured_by, finish_reason, "".join(pieces)
+    )
+
+
+def run(base: str, max_tokens: int, ignore_eos: bool, timeout: float) -> dict:
+    base = base.rstrip("/")
+    with requests.Session() as session:
+        try:
+            check_health(session, base, timeout)
+            models = list_models(session, base, timeout)
+            trips = [
+                chat_round_trip(
+                    session, base, models[0], name, prompt, max_tokens, ignore_eos, timeout
+                )
+                for name, prompt in PROMPTS.items()
+            ]
+        except requests.RequestException as exc:
+            raise SmokeFailure(f"cannot reach {base}: {exc}") from exc
+    return {"url": base, "model": models[0], "round_trips": [asdict(t) for t in trips]}
+
+
+def format_report(report: dict) -> str:
+    lines = [
+        f"smoke: {report['url']} model={report['model']}",
+        f"{'prompt':<8} {'tokens':>6} {'ttft_ms':>9} {'decode_tok/s':>13} finish",
+    ]
+    for t in report["round_trips"]:
+        decode = f"{t['decode_tokens_per_s']:.1f}" if t["decode_tokens_per_s"] else "n/a"
+        lines.append(
+            f"{t['prompt']:<8} {t['completion_tokens']:>6} {t['ttft_s'] * 1000:>9.1f} "
+            f"{decode:>13} {t['finish_reason']}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ternary-serve smoke", description=__doc__.splitlines()[0])
+    ap.add_argument("--url", default="http://llama-server:8080", help="server base URL")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="decode exactly --max-tokens tokens (for throughput numbers)",
+    )
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    ap.add_argument("--json", type=Path, help="also write the report here")
+    args = ap.parse_args(argv)
+    try:
+        report = run(args.url, args.max_tokens, args.ignore_eos, args.timeout)
+    except SmokeFailure as exc:
+        print(f"smoke: FAIL: {exc}", file=sys.stderr)
+        return 1
+    print(format_report(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    print("smoke: PASS")
+    return 0

@@ -1,0 +1,116 @@
+"""Model file checks: refuse a GGUF the server cannot load or would run badly, before it starts.
+
+Every refusal is one line that names the fix (raised as WeightsError).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+GGUF_MAGIC = b"GGUF"
+# Ternary types with CPU kernels only: with -ngl 99 their matmuls silently fall back to the CPU.
+CPU_ONLY_TYPES = {"TQ1_0", "TQ2_0"}
+
+
+class WeightsError(Exception):
+    """A model file the stack must not serve; the message says what to do."""
+
+
+def require_ternary_gguf():
+    """The gguf module from the engine source; PyPI's gguf predates the ternary Q2_0 type."""
+    import gguf
+
+    if not hasattr(gguf.GGMLQuantizationType, "Q2_0"):
+        raise WeightsError(
+            f"the installed gguf {getattr(gguf, '__version__', '?')} lacks the Q2_0 type: "
+            "install the engine's copy (pip install vendor/llama.cpp/gguf-py)"
+        )
+    return gguf
+
+
+def verify(path: Path, backend: str) -> dict:
+    """Check that path is a complete GGUF whose tensor types the backend runs. Returns a summary."""
+    gguf = require_ternary_gguf()
+    try:
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+    except FileNotFoundError:
+        raise WeightsError(
+            f"model file {path} not found: put the GGUF there or set MODEL_FILE (make config)"
+        ) from None
+    except PermissionError:
+        raise WeightsError(
+            f"model file {path} is not readable by uid {os.getuid()}: make the model directory "
+            "world-readable (chmod a+rx on the directory, a+r on the file)"
+        ) from None
+    except IsADirectoryError:
+        raise WeightsError(
+            f"{path} is a directory: set MODEL_FILE to the .gguf file in it"
+        ) from None
+    if magic != GGUF_MAGIC:
+        raise WeightsError(
+            f"{path} is not a GGUF file (starts with {magic!r}): fetch the model again"
+        )
+    try:
+        reader = gguf.GGUFReader(path)
+    except ValueError as exc:
+        if "GGMLQuantizationType" in str(exc):
+            raise WeightsError(
+                f"{path} uses a tensor type this engine does not know ({exc}): Bonsai 2 "
+                "PTQ1_0/PQ2_0 files need the PrismML engine (ENGINE_REPO in versions.env)"
+            ) from exc
+        raise WeightsError(
+            f"{path} is truncated or corrupt ({exc}): fetch the model again"
+        ) from exc
+    except (OSError, IndexError) as exc:
+        raise WeightsError(
+            f"{path} is truncated or corrupt ({exc}): fetch the model again"
+        ) from exc
+
+    size = path.stat().st_size
+    end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise WeightsError(
+            f"{path} is truncated: tensor data needs {end} bytes, the file has {size}: "
+            "fetch the model again"
+        )
+    types = sorted({t.tensor_type.name for t in reader.tensors})
+    cpu_only = sorted(CPU_ONLY_TYPES.intersection(types))
+    if backend == "cuda" and cpu_only:
+        raise WeightsError(
+            f"{path} holds {'/'.join(cpu_only)} tensors, which have no CUDA kernels (they would "
+            "run on the CPU): use the Q2_0 packing of this model"
+        )
+    arch_field = reader.get_field("general.architecture")
+    architecture = arch_field.contents() if arch_field is not None else None
+    if not architecture:
+        raise WeightsError(f"{path} has no general.architecture key: it is not a model GGUF")
+    return {
+        "path": str(path),
+        "architecture": architecture,
+        "tensor_types": types,
+        "tensors": len(reader.tensors),
+        "bytes": size,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="ternary-serve verify", description="Check a GGUF before serving it."
+    )
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
+    args = ap.parse_args(argv)
+    try:
+        summary = verify(args.model, args.backend)
+    except WeightsError as exc:
+        print(f"verify: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"verify: ok: {summary['path']}: {summary['architecture']}, {summary['tensors']} tensors "
+        f"({', '.join(summary['tensor_types'])}), {summary['bytes'] / 2**30:.2f} GiB"
+    )
+    return 0

@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""Install and start what the test suite needs on a bare Debian 12 machine with no registry access.
+
+Each step checks first and does nothing when its result is already there, so reruns are cheap:
+  docker        Debian's docker.io engine (dockerd started here if it is not running), Compose v2
+                and buildx from trixie's docker-compose and docker-buildx packages
+  base-images   stand-ins for the registry base images: a debootstrapped Debian rootfs imported as
+                local/debian:bookworm-test (the real builds use the nvidia/cuda images)
+  engine-source mainline llama.cpp from the pinned llama-cpp-python sdist on PyPI
+                -> vendor/llama.cpp
+
+Usage: python3 tests/bootstrap.py [docker|base-images|engine-source|all]
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ternary_serve.versions import load_versions  # noqa: E402
+
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+STAND_IN_IMAGE = "local/debian:bookworm-test"
+# python3-venv: the stand-in also replaces the python base of the smoke image.
+STAND_IN_PACKAGES = "python3,python3-venv,ca-certificates"
+DOCKERD_LOG = Path("/var/log/dockerd-tests.log")
+# Parts of the sdist's llama.cpp tree no build or test reads (vocab fixtures, docs, media).
+# .git is a submodule pointer into the sdist author's checkout: dangling here.
+ENGINE_SOURCE_SKIP = ("models", "docs", "media", "benches", ".devops", ".github", ".git")
+
+
+def say(msg: str) -> None:
+    print(f"[bootstrap] {msg}", flush=True)
+
+
+def sh(*cmd: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def ok(*cmd: str) -> bool:
+    return subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+
+
+def apt_install(*packages: str) -> None:
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    sh("apt-get", "update", "-q", env=env)
+    sh("apt-get", "install", "-y", "-q", "--no-install-recommends", *packages, env=env)
+
+
+def ensure_dockerd() -> None:
+    if not shutil.which("dockerd"):
+        say("installing Debian's docker.io")
+        apt_install("docker.io")
+    if ok("docker", "info"):
+        return
+    say(f"starting dockerd (log: {DOCKERD_LOG})")
+    with DOCKERD_LOG.open("ab") as log:
+        subprocess.Popen(["dockerd"], stdout=log, stderr=log, start_new_session=True)
+    for _ in range(60):
+        if ok("docker", "info"):
+            return
+        time.sleep(1)
+    sys.exit(f"error: dockerd did not come up in 60 s; see {DOCKERD_LOG}")
+
+
+def ensure_compose_and_buildx() -> None:
+    missing = [
+        pkg
+        for pkg, probe in (("docker-compose", "compose"), ("docker-buildx", "buildx"))
+        if not ok("docker", probe, "version")
+    ]
+    if not missing:
+        return
+    say(f"installing {', '.join(missing)} from Debian trixie")
+    with tempfile.TemporaryDirectory() as tmp:
+        lists = Path(tmp, "lists")
+        (lists / "partial").mkdir(parents=True)
+        sources = Path(tmp, "sources.list")
+        sources.write_text(f"deb {DEBIAN_MIRROR} trixie main\n")
+        # A private apt configuration: the host's sources stay untouched.
+        private = [
+            f"-oDir::Etc::SourceList={sources}",
+            "-oDir::Etc::SourceParts=/dev/null",
+            f"-oDir::State::Lists={lists}",
+        ]
+        sh("apt-get", *private, "update", "-q")
+        sh("apt-get", *private, "download", *missing, cwd=tmp)
+        sh("dpkg", "-i", *map(str, Path(tmp).glob("*.deb")))
+
+
+def ensure_base_images() -> None:
+    if ok("docker", "image", "inspect", STAND_IN_IMAGE):
+        return
+    if not shutil.which("debootstrap"):
+        apt_install("debootstrap")
+    say(f"debootstrapping {STAND_IN_IMAGE} (about a minute)")
+    with tempfile.TemporaryDirectory() as rootfs:
+        sh(
+            "debootstrap",
+            "--variant=minbase",
+            f"--include={STAND_IN_PACKAGES}",
+            "bookworm",
+            rootfs,
+            DEBIAN_MIRROR,
+            stdout=subprocess.DEVNULL,
+        )
+        tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
+        sh("docker", "import", "-", STAND_IN_IMAGE, stdin=tar.stdout)
+        if tar.wait() != 0:
+            sys.exit("error: packing the debootstrapped rootfs failed")
+
+
+def ensure_engine_source() -> None:
+    dest = ROOT / "vendor" / "llama.cpp"
+    if (dest / "CMakeLists.txt").is_file():
+        return
+    version = load_versions()["OFFLINE_ENGINE_SDIST_VERSION"]
+    say(f"fetching mainline llama.cpp from the llama-cpp-python {version} sdist")
+    with tempfile.TemporaryDirectory() as tmp:
+        sh(
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            f"llama-cpp-python=={version}",
+            "-d",
+            tmp,
+        )
+        (sdist,) = Path(tmp).glob("*.tar.gz")
+        prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+        staging = dest.with_name("llama.cpp.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        with tarfile.open(sdist) as tf:
+            for member in tf.getmembers():
+                if not member.name.startswith(prefix):
+                    continue
+                rel = member.name[len(prefix) :]
+                if not rel or rel.split("/", 1)[0] in ENGINE_SOURCE_SKIP:
+                    continue
+                member.name = rel
+                tf.extract(member, staging, filter="data")
+        staging.rename(dest)  # atomic: a half-extracted tree never sits at vendor/llama.cpp
+
+
+STEPS = {
+    "docker": (ensure_dockerd, ensure_compose_and_buildx),
+    "base-images": (ensure_dockerd, ensure_base_images),
+    "engine-source": (ensure_engine_source,),
+}
+
+
+def main(argv: list[str]) -> int:
+    names = argv or ["all"]
+    if names == ["all"]:
+        names = list(STEPS)
+    for name in names:
+        if name not in STEPS:
+            sys.exit(f"error: unknown step {name!r}; choose from {', '.join(STEPS)} or all")
+        for step in STEPS[name]:
+            step()
+    say("ready")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,82 @@
+"""Model checks: each bad file is refused with one line that names the fix."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ternary_serve import weights
+from ternary_serve.weights import WeightsError, require_ternary_gguf
+
+
+def write_gguf_with(path: Path, qtype_name: str, block_bytes: int, block_weights: int) -> Path:
+    gguf = require_ternary_gguf()
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    rows, cols = 4, 256
+    raw = np.zeros((rows, cols // block_weights * block_bytes), dtype=np.uint8)
+    writer.add_tensor(
+        "blk.0.attn_q.weight", raw, raw_dtype=getattr(gguf.GGMLQuantizationType, qtype_name)
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_synthetic_model_passes(tiny_model):
+    summary = weights.verify(tiny_model, "cuda")
+    assert summary["architecture"] == "llama"
+    assert "Q2_0" in summary["tensor_types"]
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(WeightsError, match="not found: put the GGUF there"):
+        weights.verify(tmp_path / "absent.gguf", "cpu")
+
+
+def test_not_a_gguf(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"<html>404 Not Found</html>")
+    with pytest.raises(WeightsError, match="not a GGUF file.*fetch the model again"):
+        weights.verify(path, "cpu")
+
+
+@pytest.mark.parametrize("keep", [100, 0.5, 0.999])
+def test_truncated_files(tiny_model, tmp_path, keep):
+    data = tiny_model.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: keep if isinstance(keep, int) else int(len(data) * keep)])
+    with pytest.raises(WeightsError, match="truncated"):
+        weights.verify(cut, "cpu")
+
+
+def test_tq2_0_refused_on_cuda_but_allowed_on_cpu(tmp_path):
+    path = write_gguf_with(tmp_path / "tq.gguf", "TQ2_0", block_bytes=66, block_weights=256)
+    with pytest.raises(WeightsError, match="no CUDA kernels.*Q2_0 packing"):
+        weights.verify(path, "cuda")
+    assert weights.verify(path, "cpu")["tensor_types"] == ["TQ2_0"]
+
+
+def test_unknown_tensor_type_points_at_the_prismml_engine(tiny_model, tmp_path):
+    """A PTQ1_0/PQ2_0 tensor carries a type id mainline gguf-py does not know."""
+    data = bytearray(tiny_model.read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = data.index(name) + len(name)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    type_at = at + 4 + 8 * n_dims
+    struct.pack_into("<I", data, type_at, 200)
+    path = tmp_path / "bonsai2-ptq.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(WeightsError, match="PrismML engine"):
+        weights.verify(path, "cuda")
+
+
+def test_cli_prints_one_line_and_fails(tmp_path, capsys):
+    assert weights.main([str(tmp_path / "absent.gguf"), "--backend", "cpu"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("verify: ")
