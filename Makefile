@@ -17,6 +17,8 @@ MODEL_DIR ?= $(CURDIR)/models
 MODEL_FILE ?= model.gguf
 PUBLISH_ADDRESS ?= 127.0.0.1
 PUBLISH_PORT ?= 8080
+# deploy/rollback: an image tag (make releases lists them); empty = the configured / previous one.
+TAG ?=
 # One image for all three base-image roles, e.g. a local stand-in where no registry is reachable.
 BASE_IMAGE_OVERRIDE ?=
 # The stand-in that tests/bootstrap.py builds on machines without registry access.
@@ -25,7 +27,8 @@ STAND_IN_IMAGE := local/debian:bookworm-test
 BASE_IMAGE_FLAGS := $(if $(BASE_IMAGE_OVERRIDE),--build-base-image $(BASE_IMAGE_OVERRIDE) \
 	--runtime-base-image $(BASE_IMAGE_OVERRIDE) --smoke-base-image $(BASE_IMAGE_OVERRIDE))
 
-.PHONY: help venv config build up down smoke logs demo test lint bootstrap
+.PHONY: help venv config build release up deploy rollback releases down smoke logs demo test \
+	lint bootstrap
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -47,9 +50,20 @@ config: venv ## write .env and state/llama-server.env from versions.env and temp
 build: config ## build the server and smoke images (tags carry version, engine ref, backend)
 	$(COMPOSE) build
 
-up: build ## start the stack, wait for /health, then require the smoke test to pass
-	$(COMPOSE) up -d --wait --wait-timeout 900 llama-server
-	$(COMPOSE) run --rm smoke
+release: build ## build and tag a release (the tag is printed; make releases lists deployed ones)
+	@grep '^IMAGE_TAG=' .env
+
+up: build ## build, then deploy the configured tag: live only if healthy and smoke passes
+	$(CLI) release deploy
+
+deploy: venv ## deploy TAG=...: on failed health or smoke, the previous good release comes back
+	$(CLI) release deploy $(TAG)
+
+rollback: venv ## back to the previous good release, or to TAG=...
+	$(CLI) release rollback $(TAG)
+
+releases: venv ## the release history: tag, when, model manifest, smoke result, live marker
+	$(CLI) release list
 
 smoke: ## smoke test the running stack again
 	$(COMPOSE) run --rm smoke

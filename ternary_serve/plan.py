@@ -34,6 +34,7 @@ class ConfigError(Exception):
 class Choices:
     backend: str = "cuda"
     engine_source: str = "git"
+    project_name: str = "ternary-serve"
     model_dir: Path = PROJECT_ROOT / "models"
     model_file: str = "model.gguf"
     publish_address: str = "127.0.0.1"
@@ -54,21 +55,24 @@ def engine_pins(pins: dict[str, str], engine_source: str) -> dict[str, str]:
     return {key: pins[key] for key in ("ENGINE_REPO", "ENGINE_REF", "ENGINE_COMMIT")}
 
 
-def image_tag(project_version: str, engine_ref: str, backend: str, cuda_architectures: str) -> str:
-    """<version>-<engine ref>-<backend>[-sm<archs>]: `docker images` alone tells what a tag is."""
-    parts = [project_version, engine_ref, backend]
+def image_tag(
+    project_version: str, revision: str, engine_ref: str, backend: str, cuda_architectures: str
+) -> str:
+    """<version>-<commit>-<engine ref>-<backend>[-sm<archs>]: `docker images` tells what it is."""
+    parts = [project_version, revision, engine_ref, backend]
     if backend == "cuda":
         parts.append("sm" + "-".join(cuda_architectures.split(";")))
     return TAG_UNSAFE.sub("-", "-".join(parts))[:128]
 
 
 def project_revision() -> str:
-    out = subprocess.run(
-        ["git", "-C", str(PROJECT_ROOT), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-    )
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
+    """Short commit of this checkout, with -dirty when tracked files differ from it."""
+    git = ["git", "-C", str(PROJECT_ROOT)]
+    head = subprocess.run([*git, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return "unknown"
+    clean = subprocess.run([*git, "diff", "--quiet", "HEAD"], capture_output=True).returncode == 0
+    return head.stdout.strip() + ("" if clean else "-dirty")
 
 
 def compose_env(pins: dict[str, str], choices: Choices, server_env: Path) -> dict[str, str]:
@@ -87,8 +91,9 @@ def compose_env(pins: dict[str, str], choices: Choices, server_env: Path) -> dic
         )
     engine = engine_pins(pins, choices.engine_source)
     prefix = backend.upper()
+    revision = project_revision()
     return {
-        "COMPOSE_PROJECT_NAME": "ternary-serve",
+        "COMPOSE_PROJECT_NAME": choices.project_name,
         "COMPOSE_FILE": COMPOSE_FILES[backend],
         "BACKEND": backend,
         "ENGINE_SOURCE": choices.engine_source,
@@ -96,14 +101,18 @@ def compose_env(pins: dict[str, str], choices: Choices, server_env: Path) -> dic
         "CUDA_ARCHITECTURES": pins["CUDA_ARCHITECTURES"],
         "GCC_VERSION": pins["GCC_VERSION"],
         "PROJECT_VERSION": pins["PROJECT_VERSION"],
-        "PROJECT_REVISION": project_revision(),
+        "PROJECT_REVISION": revision,
         "BUILD_BASE_IMAGE": choices.build_base_image or pins[f"{prefix}_BUILD_IMAGE"],
         "RUNTIME_BASE_IMAGE": choices.runtime_base_image or pins[f"{prefix}_RUNTIME_IMAGE"],
         "SMOKE_BASE_IMAGE": choices.smoke_base_image or pins["SMOKE_BASE_IMAGE"],
         "SERVER_IMAGE": pins["SERVER_IMAGE"],
         "SMOKE_IMAGE": pins["SMOKE_IMAGE"],
         "IMAGE_TAG": image_tag(
-            pins["PROJECT_VERSION"], engine["ENGINE_REF"], backend, pins["CUDA_ARCHITECTURES"]
+            pins["PROJECT_VERSION"],
+            revision,
+            engine["ENGINE_REF"],
+            backend,
+            pins["CUDA_ARCHITECTURES"],
         ),
         "MODEL_DIR": str(choices.model_dir.resolve()),
         "MODEL_FILE": choices.model_file,
@@ -176,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=ENGINE_SOURCES,
         default="git",
         help="git: clone the pinned engine; local: build vendor/llama.cpp (offline)",
+    )
+    ap.add_argument(
+        "--project-name",
+        default=Choices.project_name,
+        help="Compose project name (one per stack on a host)",
     )
     ap.add_argument("--model-dir", type=Path, default=Choices.model_dir)
     ap.add_argument("--model-file", default=Choices.model_file)

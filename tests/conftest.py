@@ -1,12 +1,14 @@
-"""Shared fixtures: a synthetic tiny ternary model, and Docker availability."""
+"""Shared fixtures: a synthetic tiny ternary model, Docker, and the stack's images built once."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from harness import BUILD_TIMEOUT, Stack, configure
 
 from ternary_serve import synthetic
 
@@ -29,3 +31,29 @@ def docker_available() -> bool:
 def docker_required():
     if not docker_available():
         pytest.fail("dockerd is not running: run `make bootstrap` (make test does it for you)")
+
+
+@pytest.fixture(scope="session")
+def built(docker_required, tmp_path_factory, tiny_model) -> Stack:
+    """Build the server and smoke images once (BuildKit and ccache make rebuilds cheap)."""
+    stack = configure(tmp_path_factory.mktemp("build"), tiny_model, "ts-build")
+    result = stack.compose("build", timeout=BUILD_TIMEOUT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return stack
+
+
+@pytest.fixture
+def stack_for(built, tmp_path, request):
+    """A fresh Compose project on the built images, serving the given model; always torn down."""
+    made: list[Stack] = []
+
+    def make(model: Path) -> Stack:
+        name = "ts-" + re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-")
+        stack = configure(tmp_path / "stack", model, name)
+        assert stack.env["IMAGE_TAG"] == built.env["IMAGE_TAG"]
+        made.append(stack)
+        return stack
+
+    yield make
+    for stack in made:
+        stack.down()

@@ -14,18 +14,23 @@ def parse_env(text: str) -> dict[str, str]:
     )
 
 
-def test_image_tag_names_version_engine_backend_and_archs():
-    assert plan.image_tag("1.2.0", "prism-b10743-adfffbe", "cuda", "89;90") == (
-        "1.2.0-prism-b10743-adfffbe-cuda-sm89-90"
+def test_image_tag_names_version_commit_engine_backend_and_archs():
+    assert plan.image_tag("1.2.0", "54cf417", "prism-b10743-adfffbe", "cuda", "89;90") == (
+        "1.2.0-54cf417-prism-b10743-adfffbe-cuda-sm89-90"
     )
-    assert plan.image_tag("1.2.0", "llama-cpp-python-0.3.36", "cpu", "89") == (
-        "1.2.0-llama-cpp-python-0.3.36-cpu"
+    assert plan.image_tag("1.2.0", "54cf417-dirty", "llama-cpp-python-0.3.36", "cpu", "89") == (
+        "1.2.0-54cf417-dirty-llama-cpp-python-0.3.36-cpu"
     )
 
 
 def test_image_tag_is_a_valid_docker_tag():
-    tag = plan.image_tag("1.0", "feature/some branch", "cuda", "89")
-    assert tag == "1.0-feature-some-branch-cuda-sm89"
+    tag = plan.image_tag("1.0", "abc1234", "feature/some branch", "cuda", "89")
+    assert tag == "1.0-abc1234-feature-some-branch-cuda-sm89"
+
+
+def test_tag_follows_the_checkout(tmp_path):
+    env = plan.configure(plan.Choices(), tmp_path / ".env", tmp_path)
+    assert env["PROJECT_REVISION"] in env["IMAGE_TAG"]
 
 
 def test_config_defaults_target_the_fork_on_cuda(tmp_path):

@@ -12,122 +12,21 @@ from __future__ import annotations
 import json
 import os
 import queue
-import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
+from harness import BUILD_TIMEOUT
 
-from ternary_serve import plan, synthetic
+from ternary_serve import synthetic
 from ternary_serve.versions import PROJECT_ROOT
 from ternary_serve.weights import require_ternary_gguf
 
 pytestmark = pytest.mark.docker
-
-STAND_IN_IMAGE = "local/debian:bookworm-test"
-BUILD_TIMEOUT = 3600
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class Stack:
-    """One Compose project, configured by `ternary-serve config` into its own directory."""
-
-    workdir: Path
-    name: str
-    env: dict[str, str]
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.env['PUBLISH_PORT']}"
-
-    def compose_cmd(self, *args: str) -> list[str]:
-        return [
-            "docker",
-            "compose",
-            "--env-file",
-            str(self.workdir / ".env"),
-            "-p",
-            self.name,
-            *args,
-        ]
-
-    def compose(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            self.compose_cmd(*args),
-            cwd=PROJECT_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-
-    def down(self) -> None:
-        self.compose("down", "--volumes", "--remove-orphans", timeout=120)
-
-
-def readable_by_containers(model: Path) -> None:
-    """pytest's temp dirs are private (0700); the containers run as uid 10001."""
-    for directory in (model.parent, *model.parent.parents):
-        if directory == Path(directory.anchor) or directory.stat().st_mode & 0o005 == 0o005:
-            continue
-        directory.chmod(directory.stat().st_mode | 0o005)
-    if model.exists():
-        model.chmod(0o644)
-
-
-def configure(workdir: Path, model: Path, name: str) -> Stack:
-    workdir.mkdir(parents=True, exist_ok=True)
-    readable_by_containers(model)
-    choices = plan.Choices(
-        backend="cpu",
-        engine_source="local",
-        model_dir=model.parent,
-        model_file=model.name,
-        publish_port=free_port(),
-        build_base_image=STAND_IN_IMAGE,
-        runtime_base_image=STAND_IN_IMAGE,
-        smoke_base_image=STAND_IN_IMAGE,
-    )
-    env = plan.configure(choices, workdir / ".env", workdir)
-    return Stack(workdir, name, env)
-
-
-@pytest.fixture(scope="session")
-def built(docker_required, tmp_path_factory, tiny_model) -> Stack:
-    """Build the server and smoke images once (BuildKit and ccache make rebuilds cheap)."""
-    stack = configure(tmp_path_factory.mktemp("build"), tiny_model, "ts-build")
-    result = stack.compose("build", timeout=BUILD_TIMEOUT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return stack
-
-
-@pytest.fixture
-def stack_for(built, tmp_path, request):
-    """A fresh Compose project on the built images, serving the given model; always torn down."""
-    made: list[Stack] = []
-
-    def make(model: Path) -> Stack:
-        name = "ts-" + re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-")
-        stack = configure(tmp_path / "stack", model, name)
-        assert stack.env["IMAGE_TAG"] == built.env["IMAGE_TAG"]
-        made.append(stack)
-        return stack
-
-    yield make
-    for stack in made:
-        stack.down()
 
 
 def read_until(proc: subprocess.Popen, pattern: str, timeout: float) -> str:

@@ -1,0 +1,366 @@
+"""Releases: deploy an image tag, keep it only if it passes health and smoke, roll back otherwise.
+
+A release is an image tag (ternary_serve.plan.image_tag) present locally for both the server and the
+smoke image. The history is an append-only JSON-lines file in the state directory, fsynced per
+line and never truncated: it alone says what is live and what was good before. A lock file
+(flock, released by the kernel if the holder dies) keeps two deploys from running at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import docker
+import docker.errors
+
+from ternary_serve.plan import PROJECT_ROOT, write_atomic
+
+HISTORY_FILE = "releases.jsonl"
+LOCK_FILE = "deploy.lock"
+KEEP_RELEASES = 5
+WAIT_TIMEOUT_S = 900
+
+
+class ReleaseError(Exception):
+    """A deploy step that failed or was refused; the message says what and what to do."""
+
+
+@dataclass
+class Project:
+    """One deployed stack: its Compose env file and its state directory (history, lock)."""
+
+    env_file: Path
+    state_dir: Path
+
+    @property
+    def history_file(self) -> Path:
+        return self.state_dir / HISTORY_FILE
+
+    def env(self) -> dict[str, str]:
+        if not self.env_file.is_file():
+            raise ReleaseError(f"{self.env_file} does not exist: run `make config` first")
+        pairs = (
+            line.split("=", 1)
+            for line in self.env_file.read_text().splitlines()
+            if line and not line.startswith("#") and "=" in line
+        )
+        return dict(pairs)
+
+    def set_tag(self, tag: str) -> None:
+        """Point Compose at tag: the env file is rewritten in one rename, never half-written."""
+        lines = self.env_file.read_text().splitlines()
+        replaced = [f"IMAGE_TAG={tag}" if line.startswith("IMAGE_TAG=") else line for line in lines]
+        write_atomic(self.env_file, "\n".join(replaced) + "\n")
+
+    def compose(
+        self, *args: str, timeout: float = WAIT_TIMEOUT_S + 60
+    ) -> subprocess.CompletedProcess:
+        cmd = ["docker", "compose", "--env-file", str(self.env_file), *args]
+        return subprocess.run(
+            cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout
+        )
+
+
+# --- history -------------------------------------------------------------------------------------
+
+
+def read_history(project: Project) -> list[dict]:
+    if not project.history_file.is_file():
+        return []
+    records = []
+    for line in project.history_file.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by a crash mid-write is skipped, never rewritten
+    return records
+
+
+def append_history(project: Project, **record) -> dict:
+    record = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **record}
+    project.state_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(project.history_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return record
+
+
+def live_tags(history: list[dict]) -> list[str]:
+    """Tags that went live, oldest first (a tag appears once per time it went live)."""
+    return [r["tag"] for r in history if r.get("status") == "live"]
+
+
+def current_live(history: list[dict]) -> str | None:
+    tags = live_tags(history)
+    return tags[-1] if tags else None
+
+
+def previous_good(history: list[dict]) -> str | None:
+    """The last tag that was live before the current one, and is a different tag."""
+    tags = live_tags(history)
+    for tag in reversed(tags[:-1]):
+        if tag != tags[-1]:
+            return tag
+    return None
+
+
+# --- images --------------------------------------------------------------------------------------
+
+
+def require_images(client: docker.DockerClient, env: dict[str, str], tag: str) -> None:
+    for repo in (env["SERVER_IMAGE"], env["SMOKE_IMAGE"]):
+        try:
+            client.images.get(f"{repo}:{tag}")
+        except docker.errors.ImageNotFound:
+            raise ReleaseError(
+                f"unknown tag {tag!r}: no local image {repo}:{tag}; `make releases` lists the "
+                "deployable tags, `make release` builds one"
+            ) from None
+
+
+def local_tags(client: docker.DockerClient, repo: str) -> set[str]:
+    return {
+        t.split(":", 1)[1]
+        for image in client.images.list(name=repo)
+        for t in image.tags
+        if t.startswith(f"{repo}:")
+    }
+
+
+def prune(
+    client: docker.DockerClient, env: dict[str, str], history: list[dict], keep: int
+) -> list[str]:
+    """Remove release images beyond the newest `keep` deployed tags; never live or previous."""
+    newest_first: list[str] = []
+    for tag in reversed([r["tag"] for r in history if r.get("tag")]):
+        if tag not in newest_first:
+            newest_first.append(tag)
+    protected = set(newest_first[:keep]) | {current_live(history), previous_good(history)}
+    removed = []
+    for tag in newest_first[keep:]:
+        if tag in protected:
+            continue
+        for repo in (env["SERVER_IMAGE"], env["SMOKE_IMAGE"]):
+            with contextlib.suppress(docker.errors.ImageNotFound):
+                client.images.remove(f"{repo}:{tag}")
+        removed.append(tag)
+    return removed
+
+
+def model_manifest_hash(env: dict[str, str]) -> str | None:
+    """SHA-256 of the model's manifest (written by the weights tools), if there is one."""
+    manifest = Path(env.get("MODEL_DIR", "")) / f"{env.get('MODEL_FILE', '')}.manifest.json"
+    return hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None
+
+
+# --- deploy --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def deploy_lock(project: Project):
+    project.state_dir.mkdir(parents=True, exist_ok=True)
+    with open(project.state_dir / LOCK_FILE, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            raise ReleaseError(
+                f"another deploy is running ({holder}): wait for it to finish"
+            ) from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} since {datetime.now(timezone.utc):%Y-%m-%dT%H:%M:%SZ}\n")
+        fh.flush()
+        yield
+
+
+def bring_up(project: Project, tag: str, wait_timeout: int) -> str | None:
+    """Start tag and smoke test it. Returns None on success, else what failed (one line)."""
+    project.set_tag(tag)
+    up = project.compose(
+        "up",
+        "-d",
+        "--wait",
+        "--wait-timeout",
+        str(wait_timeout),
+        "llama-server",
+        timeout=wait_timeout + 120,
+    )
+    if up.returncode != 0:
+        detail = (up.stderr.strip().splitlines() or ["no output"])[-1]
+        logs = project.compose("logs", "--no-color", "--tail", "5", "model-check", "llama-server")
+        hint = " | ".join(line.split("|", 1)[-1].strip() for line in logs.stdout.splitlines()[-3:])
+        return f"not healthy: {detail}" + (f" (last log lines: {hint})" if hint else "")
+    smoke = project.compose("run", "--rm", "smoke", timeout=600)
+    if smoke.returncode != 0:
+        detail = (smoke.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"smoke test failed: {detail}"
+    return None
+
+
+def deploy(
+    project: Project,
+    tag: str,
+    wait_timeout: int = WAIT_TIMEOUT_S,
+    keep: int = KEEP_RELEASES,
+    event: str = "deploy",
+) -> str:
+    """Make tag live, or leave the last good release live and raise. Returns a summary line."""
+    env = project.env()
+    client = docker.from_env()
+    require_images(client, env, tag)  # before anything changes
+    with deploy_lock(project):
+        history = read_history(project)
+        if history and history[-1].get("status") == "started":
+            append_history(
+                project,
+                tag=history[-1]["tag"],
+                status="interrupted",
+                detail="the deploy process ended before recording an outcome",
+            )
+            history = read_history(project)
+        fallback = current_live(history)
+        manifest = model_manifest_hash(env)
+        append_history(project, tag=tag, status="started", event=event, model_manifest=manifest)
+        print(f"{event}: starting {tag}", flush=True)
+        failure = bring_up(project, tag, wait_timeout)
+        if failure is None:
+            append_history(
+                project, tag=tag, status="live", event=event, smoke="pass", model_manifest=manifest
+            )
+            removed = prune(client, env, read_history(project), keep)
+            pruned = f"; pruned {', '.join(removed)}" if removed else ""
+            return f"{event}: {tag} is live (healthy, smoke passed){pruned}"
+        append_history(
+            project,
+            tag=tag,
+            status="failed",
+            event=event,
+            smoke="fail",
+            detail=failure,
+            model_manifest=manifest,
+        )
+        if fallback is None or fallback == tag:
+            raise ReleaseError(
+                f"{event} of {tag} failed: {failure}; there is no earlier good "
+                "release to return to, so nothing is live"
+            )
+        print(f"{event}: {tag} failed ({failure}); returning to {fallback}", flush=True)
+        again = bring_up(project, fallback, wait_timeout)
+        if again is not None:
+            append_history(
+                project,
+                tag=fallback,
+                status="failed",
+                event="auto-rollback",
+                smoke="fail",
+                detail=again,
+            )
+            raise ReleaseError(
+                f"{event} of {tag} failed: {failure}; returning to {fallback} "
+                f"failed too: {again}; nothing is live"
+            )
+        append_history(
+            project,
+            tag=fallback,
+            status="live",
+            event="auto-rollback",
+            smoke="pass",
+            model_manifest=manifest,
+        )
+        raise ReleaseError(
+            f"{event} of {tag} failed: {failure}; rolled back: {fallback} is "
+            "live and passed its smoke test"
+        )
+
+
+def rollback(project: Project, tag: str | None = None, **kwargs) -> str:
+    """Deploy tag, or the release that was live before the current one."""
+    if tag is None:
+        tag = previous_good(read_history(project))
+        if tag is None:
+            raise ReleaseError("no earlier good release in the history: name one with TAG=")
+    return deploy(project, tag, event="rollback", **kwargs)
+
+
+def format_history(history: list[dict]) -> str:
+    live = current_live(history)
+    rows = [("", "TAG", "WHEN", "EVENT", "STATUS", "SMOKE", "MODEL MANIFEST")]
+    for r in history:
+        if r.get("status") == "started":
+            continue
+        rows.append(
+            (
+                "",
+                r.get("tag", "?"),
+                r.get("at", "?"),
+                r.get("event", "-"),
+                r.get("status", "?"),
+                r.get("smoke", "-"),
+                (r.get("model_manifest") or "-")[:12],
+            )
+        )
+    # The live marker goes on the newest record that made the live tag live.
+    for row in reversed(rows[1:]):
+        if row[1] == live and row[4] == "live":
+            rows[rows.index(row)] = ("*", *row[1:])
+            break
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="ternary-serve release", description="deploy, roll back and list releases"
+    )
+    ap.add_argument("--env-file", type=Path, default=PROJECT_ROOT / ".env")
+    ap.add_argument("--state-dir", type=Path, default=PROJECT_ROOT / "state")
+    ap.add_argument(
+        "--wait-timeout", type=int, default=WAIT_TIMEOUT_S, help="seconds to wait for /health"
+    )
+    ap.add_argument(
+        "--keep", type=int, default=KEEP_RELEASES, help="release images to keep locally"
+    )
+    sub = ap.add_subparsers(dest="action", required=True)
+    sub.add_parser("deploy").add_argument(
+        "tag", nargs="?", help="image tag (default: the one in the env file)"
+    )
+    sub.add_parser("rollback").add_argument(
+        "tag", nargs="?", help="image tag (default: the previous good one)"
+    )
+    sub.add_parser("list")
+    args = ap.parse_args(argv)
+    project = Project(args.env_file, args.state_dir)
+    started = time.monotonic()
+    try:
+        if args.action == "list":
+            print(format_history(read_history(project)))
+            return 0
+        options = {"wait_timeout": args.wait_timeout, "keep": args.keep}
+        if args.action == "deploy":
+            print(deploy(project, args.tag or project.env()["IMAGE_TAG"], **options))
+        else:
+            print(rollback(project, args.tag, **options))
+    except ReleaseError as exc:
+        print(f"release: {exc}", file=sys.stderr)
+        return 1
+    print(f"release: done in {time.monotonic() - started:.0f} s")
+    return 0

@@ -1,0 +1,202 @@
+"""Releases on the real stack: deploy, automatic rollback, manual rollback, the lock, a killed
+deploy, unknown tags and retention. Which release is live is read over HTTP, not from our files.
+
+Each release image is the built server image with `--alias release-vN` on its command line (a
+flag beats its LLAMA_ARG_ twin), so /v1/models names the release that answers. v3 is broken: an
+unknown flag makes llama-server exit at start, as a release with a bad server flag would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import docker
+import pytest
+import requests
+from harness import configure
+
+from ternary_serve import release
+from ternary_serve.versions import PROJECT_ROOT
+
+pytestmark = pytest.mark.docker
+
+WAIT = 120
+
+
+@pytest.fixture(scope="module")
+def tags(built):
+    """Release tags v1..v4 of both images; v3's server refuses to start."""
+    client = docker.from_env()
+    server, smoke = built.env["SERVER_IMAGE"], built.env["SMOKE_IMAGE"]
+    base = built.env["IMAGE_TAG"]
+    made = {}
+    for name in ("v1", "v2", "v3", "v4"):
+        tag = f"test-release-{name}"
+        args = ["--no-such-flag"] if name == "v3" else ["--alias", f"release-{name}"]
+        dockerfile = (
+            f"FROM {server}:{base}\n"
+            f"ENTRYPOINT {json.dumps(['/usr/local/bin/llama-server', *args])}\n"
+        )
+        client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=f"{server}:{tag}", rm=True)
+        client.images.get(f"{smoke}:{base}").tag(smoke, tag)
+        made[name] = tag
+    yield made
+    for tag in made.values():
+        for repo in (server, smoke):
+            with contextlib.suppress(docker.errors.ImageNotFound):
+                client.images.remove(f"{repo}:{tag}")
+
+
+@pytest.fixture
+def project(built, tiny_model, tmp_path, request):
+    name = "tr-" + request.node.name.lower().replace("_", "-")[:30].strip("-")
+    stack = configure(tmp_path / "stack", tiny_model, name)
+    yield stack, release.Project(stack.workdir / ".env", stack.workdir)
+    stack.down()
+
+
+def serving(stack) -> str:
+    """The release that answers on the published port, by its alias."""
+    models = requests.get(f"{stack.url}/v1/models", timeout=10).json()
+    return models["data"][0]["id"]
+
+
+def chat_ok(stack) -> bool:
+    reply = requests.post(
+        f"{stack.url}/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
+    return reply.status_code == 200
+
+
+def test_failed_deploy_rolls_back_and_rollback_by_tag(project, tags):
+    stack, proj = project
+    release.deploy(proj, tags["v1"], wait_timeout=WAIT)
+    assert serving(stack) == "release-v1"
+    release.deploy(proj, tags["v2"], wait_timeout=WAIT)
+    assert serving(stack) == "release-v2"
+
+    with pytest.raises(release.ReleaseError) as failed:
+        release.deploy(proj, tags["v3"], wait_timeout=WAIT)
+    assert f"rolled back: {tags['v2']} is live" in str(failed.value)
+    assert serving(stack) == "release-v2" and chat_ok(stack)
+    assert proj.env()["IMAGE_TAG"] == tags["v2"]
+
+    history = release.read_history(proj)
+    assert [r["tag"] for r in history if r["status"] == "live"] == [
+        tags["v1"],
+        tags["v2"],
+        tags["v2"],
+    ]
+    assert any(r["tag"] == tags["v3"] and r["status"] == "failed" for r in history)
+    table = release.format_history(history)
+    assert tags["v3"] in table and "failed" in table
+    live_rows = [line for line in table.splitlines() if line.startswith("*")]
+    assert len(live_rows) == 1 and tags["v2"] in live_rows[0]
+
+    release.rollback(proj, tags["v1"], wait_timeout=WAIT)
+    assert serving(stack) == "release-v1"
+    release.rollback(proj, wait_timeout=WAIT)  # the previous good one: v2
+    assert serving(stack) == "release-v2"
+
+
+def test_unknown_tag_is_refused_before_anything_changes(project, tags):
+    stack, proj = project
+    release.deploy(proj, tags["v1"], wait_timeout=WAIT)
+    env_before = proj.env_file.read_bytes()
+    history_before = proj.history_file.read_bytes()
+    with pytest.raises(release.ReleaseError, match="unknown tag 'no-such-tag'"):
+        release.deploy(proj, "no-such-tag", wait_timeout=WAIT)
+    assert proj.env_file.read_bytes() == env_before
+    assert proj.history_file.read_bytes() == history_before
+    assert serving(stack) == "release-v1"
+
+
+def cli(proj, *args) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "ternary_serve.cli",
+        "release",
+        "--env-file",
+        str(proj.env_file),
+        "--state-dir",
+        str(proj.state_dir),
+        "--wait-timeout",
+        str(WAIT),
+        *args,
+    ]
+
+
+def test_second_deploy_is_refused_while_one_runs(project, tags):
+    stack, proj = project
+    release.deploy(proj, tags["v1"], wait_timeout=WAIT)
+    env_before = proj.env_file.read_bytes()
+    first = subprocess.Popen(
+        cli(proj, "deploy", tags["v2"]),
+        cwd=PROJECT_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while release.read_history(proj)[-1]["status"] != "started" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        second = subprocess.run(
+            cli(proj, "deploy", tags["v4"]), cwd=PROJECT_ROOT, capture_output=True, text=True
+        )
+        assert second.returncode == 1
+        assert "another deploy is running (pid" in second.stderr
+        assert f"IMAGE_TAG={tags['v4']}".encode() not in proj.env_file.read_bytes()
+    finally:
+        assert first.wait(timeout=300) == 0, first.stdout.read()
+    assert env_before != proj.env_file.read_bytes()
+    assert serving(stack) == "release-v2"
+
+
+def test_killed_deploy_leaves_a_consistent_state_and_the_next_deploy_succeeds(project, tags):
+    stack, proj = project
+    release.deploy(proj, tags["v1"], wait_timeout=WAIT)
+    victim = subprocess.Popen(
+        cli(proj, "deploy", tags["v2"]),
+        cwd=PROJECT_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 30
+    while release.read_history(proj)[-1]["status"] != "started" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1)  # into `docker compose up`
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+
+    assert proj.env()["IMAGE_TAG"] in (tags["v1"], tags["v2"])  # whole, one or the other
+    for line in proj.history_file.read_text().splitlines():
+        json.loads(line)
+    release.deploy(proj, tags["v2"], wait_timeout=WAIT)
+    assert serving(stack) == "release-v2" and chat_ok(stack)
+    statuses = [r["status"] for r in release.read_history(proj)]
+    assert "interrupted" in statuses and statuses[-1] == "live"
+
+
+def test_retention_keeps_the_newest_and_never_the_live_or_previous(project, tags, built):
+    stack, proj = project
+    client = docker.from_env()
+    for name in ("v1", "v2", "v4"):
+        release.deploy(proj, tags[name], wait_timeout=WAIT, keep=1)
+    server = built.env["SERVER_IMAGE"]
+    present = {
+        t for t in (tags["v1"], tags["v2"], tags["v4"]) if client.images.list(name=f"{server}:{t}")
+    }
+    assert present == {tags["v2"], tags["v4"]}  # v4 live, v2 previous; v1 pruned
+    assert serving(stack) == "release-v4"
