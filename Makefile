@@ -82,11 +82,14 @@ demo: bootstrap venv ## no GPU, no registry: serve a synthetic tiny ternary mode
 	$(MAKE) up BACKEND=cpu ENGINE_SOURCE=local MODEL_FILE=tiny-ternary.gguf \
 		BASE_IMAGE_OVERRIDE=$(STAND_IN_IMAGE)
 
-lint: venv ## ruff, yamllint, hadolint
+lint: venv ## ruff, yamllint, hadolint, ansible-lint (production profile), playbook syntax
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/yamllint -s .
 	$(VENV)/bin/hadolint docker/Dockerfile
+	$(VENV)/bin/ansible-lint -q --profile production ansible/
+	for playbook in ansible/*.yml; do \
+		$(VENV)/bin/ansible-playbook -i ansible/inventory.example --syntax-check "$$playbook"; done
 
 test: bootstrap venv lint ## everything CI runs: lint, unit tests, the CPU stack end to end in Docker
 	$(PY) -m pytest -ra

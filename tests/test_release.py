@@ -200,3 +200,60 @@ def test_retention_keeps_the_newest_and_never_the_live_or_previous(project, tags
     }
     assert present == {tags["v2"], tags["v4"]}  # v4 live, v2 previous; v1 pruned
     assert serving(stack) == "release-v4"
+
+
+def run_playbook(proj, playbook: str, *extra: str, inventory) -> subprocess.CompletedProcess:
+    """The real ansible-playbook against this host over the local connection."""
+    inventory.write_text(
+        "[llm_servers]\n"
+        f"localhost ansible_connection=local ansible_python_interpreter={sys.executable}\n"
+    )
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "ansible-playbook"),
+        "-i",
+        str(inventory),
+        f"ansible/{playbook}",
+        "-e",
+        "ansible_become=false",
+        "-e",
+        f"ternary_serve_dir={PROJECT_ROOT}",
+        "-e",
+        f"ternary_serve_env_file={proj.env_file}",
+        "-e",
+        f"ternary_serve_state_dir={proj.state_dir}",
+        *extra,
+    ]
+    return subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_ansible_playbooks_use_the_same_release_path(project, tags, tmp_path):
+    stack, proj = project
+    inventory = tmp_path / "inventory"
+    release.deploy(proj, tags["v1"], wait_timeout=WAIT)
+
+    deployed = run_playbook(
+        proj, "deploy.yml", "-e", f"release_tag={tags['v2']}", inventory=inventory
+    )
+    assert deployed.returncode == 0, deployed.stdout[-3000:]
+    assert serving(stack) == "release-v2"
+
+    checked = run_playbook(proj, "rollback.yml", "--check", inventory=inventory)
+    assert checked.returncode == 0, checked.stdout[-3000:]
+    assert serving(stack) == "release-v2"  # check mode changes nothing
+
+    rolled = run_playbook(proj, "rollback.yml", inventory=inventory)
+    assert rolled.returncode == 0, rolled.stdout[-3000:]
+    assert "changed=1" in rolled.stdout
+    assert serving(stack) == "release-v1"
+
+    failed = run_playbook(
+        proj, "deploy.yml", "-e", f"release_tag={tags['v3']}", inventory=inventory
+    )
+    assert failed.returncode != 0
+    assert f"rolled back: {tags['v1']} is live" in failed.stdout
+    assert serving(stack) == "release-v1"
+
+    bad = run_playbook(
+        proj, "rollback.yml", "-e", json.dumps({"release_tag": "not a tag!"}), inventory=inventory
+    )
+    assert bad.returncode != 0 and "release_tag (optional) a Docker image tag" in bad.stdout
