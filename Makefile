@@ -19,6 +19,9 @@ PUBLISH_ADDRESS ?= 127.0.0.1
 PUBLISH_PORT ?= 8080
 # deploy/rollback: an image tag (make releases lists them); empty = the configured / previous one.
 TAG ?=
+# make model: where the GGUF comes from (https://…, hf://OWNER/REPO/FILE or a path) and its SHA-256.
+SOURCE ?=
+SHA256 ?=
 # One image for all three base-image roles, e.g. a local stand-in where no registry is reachable.
 BASE_IMAGE_OVERRIDE ?=
 # The stand-in that tests/bootstrap.py builds on machines without registry access.
@@ -27,7 +30,7 @@ STAND_IN_IMAGE := local/debian:bookworm-test
 BASE_IMAGE_FLAGS := $(if $(BASE_IMAGE_OVERRIDE),--build-base-image $(BASE_IMAGE_OVERRIDE) \
 	--runtime-base-image $(BASE_IMAGE_OVERRIDE) --smoke-base-image $(BASE_IMAGE_OVERRIDE))
 
-.PHONY: help venv config build release up deploy rollback releases down smoke logs demo test \
+.PHONY: help venv config model build release up deploy rollback releases down smoke logs demo test \
 	lint bootstrap
 
 help: ## list targets
@@ -46,6 +49,11 @@ config: venv ## write .env and state/llama-server.env from versions.env and temp
 	$(CLI) config --backend $(BACKEND) --engine-source $(ENGINE_SOURCE) \
 		--model-dir $(MODEL_DIR) --model-file $(MODEL_FILE) \
 		--publish-address $(PUBLISH_ADDRESS) --publish-port $(PUBLISH_PORT) $(BASE_IMAGE_FLAGS)
+
+model: venv ## fetch SOURCE=... [SHA256=...] into MODEL_DIR/MODEL_FILE: resumable, verified, atomic
+	@test -n "$(SOURCE)" || { echo "make model: set SOURCE=https://…, hf://OWNER/REPO/FILE or a path"; exit 2; }
+	$(CLI) fetch "$(SOURCE)" "$(MODEL_DIR)/$(MODEL_FILE)" --backend $(BACKEND) \
+		$(if $(SHA256),--sha256 $(SHA256))
 
 build: config ## build the server and smoke images (tags carry version, engine ref, backend)
 	$(COMPOSE) build

@@ -14,6 +14,7 @@ COMMANDS = {
         "deploy a tag (rolled back unless healthy and smoke passes), roll back, list",
     ),
     "smoke": ("smoke", "smoke test a running server"),
+    "fetch": ("fetch", "download a GGUF (resumable, checksummed, verified) into place"),
     "verify": ("weights", "check a GGUF before serving it"),
     "synth": ("synthetic", "write a synthetic ternary Q2_0 model"),
     "bench": ("bench", "benchmark an engine build: llama-bench, then llama-server + smoke"),

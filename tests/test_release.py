@@ -136,6 +136,17 @@ def cli(proj, *args) -> list[str]:
     ]
 
 
+def wait_until_started(proj, timeout: float = 30) -> None:
+    """Until the deploy running in another process has recorded its start."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        history = release.read_history(proj)
+        if history and history[-1]["status"] == "started":
+            return
+        time.sleep(0.05)
+    pytest.fail("the deploy never recorded its start")
+
+
 def test_second_deploy_is_refused_while_one_runs(project, tags):
     stack, proj = project
     release.deploy(proj, tags["v1"], wait_timeout=WAIT)
@@ -148,9 +159,7 @@ def test_second_deploy_is_refused_while_one_runs(project, tags):
         text=True,
     )
     try:
-        deadline = time.monotonic() + 30
-        while release.read_history(proj)[-1]["status"] != "started" and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until_started(proj)
         second = subprocess.run(
             cli(proj, "deploy", tags["v4"]), cwd=PROJECT_ROOT, capture_output=True, text=True
         )
@@ -173,9 +182,7 @@ def test_killed_deploy_leaves_a_consistent_state_and_the_next_deploy_succeeds(pr
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    deadline = time.monotonic() + 30
-    while release.read_history(proj)[-1]["status"] != "started" and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until_started(proj)
     time.sleep(1)  # into `docker compose up`
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
@@ -192,14 +199,24 @@ def test_killed_deploy_leaves_a_consistent_state_and_the_next_deploy_succeeds(pr
 def test_retention_keeps_the_newest_and_never_the_live_or_previous(project, tags, built):
     stack, proj = project
     client = docker.from_env()
+    server, smoke = built.env["SERVER_IMAGE"], built.env["SMOKE_IMAGE"]
+    # Tags of its own, so pruning them leaves the shared release tags to the other tests.
+    retained = {}
     for name in ("v1", "v2", "v4"):
-        release.deploy(proj, tags[name], wait_timeout=WAIT, keep=1)
-    server = built.env["SERVER_IMAGE"]
-    present = {
-        t for t in (tags["v1"], tags["v2"], tags["v4"]) if client.images.list(name=f"{server}:{t}")
-    }
-    assert present == {tags["v2"], tags["v4"]}  # v4 live, v2 previous; v1 pruned
-    assert serving(stack) == "release-v4"
+        retained[name] = f"test-retain-{name}"
+        for repo in (server, smoke):
+            client.images.get(f"{repo}:{tags[name]}").tag(repo, retained[name])
+    try:
+        for name in ("v1", "v2", "v4"):
+            release.deploy(proj, retained[name], wait_timeout=WAIT, keep=1)
+        present = {tag for tag in retained.values() if client.images.list(name=f"{server}:{tag}")}
+        assert present == {retained["v2"], retained["v4"]}  # v4 live, v2 previous; v1 pruned
+        assert serving(stack) == "release-v4"
+    finally:
+        for tag in retained.values():
+            for repo in (server, smoke):
+                with contextlib.suppress(docker.errors.ImageNotFound):
+                    client.images.remove(f"{repo}:{tag}")
 
 
 def run_playbook(proj, playbook: str, *extra: str, inventory) -> subprocess.CompletedProcess:

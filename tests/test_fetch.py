@@ -1,0 +1,180 @@
+"""Fetching weights from a local HTTP server: resume after an interruption, checksum refusal, and
+nothing ever left at the final path after a failure."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import requests
+
+from ternary_serve import fetch
+from ternary_serve.weights import WeightsError
+
+
+class FileServer:
+    """Serves one payload at /model.gguf; can cut the first response short; honours Range."""
+
+    def __init__(self, payload: bytes, cut_first_at: int | None = None, ranges: bool = True):
+        self.payload, self.cut_first_at, self.ranges = payload, cut_first_at, ranges
+        self.range_headers: list[str | None] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path != "/model.gguf":
+                    self.send_error(404)
+                    return
+                header = self.headers.get("Range")
+                outer.range_headers.append(header)
+                start = 0
+                match = re.fullmatch(r"bytes=(\d+)-", header or "")
+                if match and outer.ranges:
+                    start = int(match.group(1))
+                    if start >= len(outer.payload):
+                        self.send_response(416)
+                        self.end_headers()
+                        return
+                    self.send_response(206)
+                    self.send_header(
+                        "Content-Range",
+                        f"bytes {start}-{len(outer.payload) - 1}/{len(outer.payload)}",
+                    )
+                else:
+                    self.send_response(200)
+                body = outer.payload[start:]
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if outer.cut_first_at is not None:
+                    cut, outer.cut_first_at = outer.cut_first_at, None
+                    self.wfile.write(body[:cut])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/model.gguf"
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.fixture
+def served(tiny_model):
+    servers = []
+
+    def start(**kwargs) -> FileServer:
+        server = FileServer(tiny_model.read_bytes(), **kwargs)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def leftovers(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_interrupted_download_resumes_and_lands_verified(served, tiny_model, tmp_path):
+    payload = tiny_model.read_bytes()
+    server = served(cut_first_at=len(payload) // 3)
+    target = tmp_path / "model.gguf"
+    with pytest.raises(requests.RequestException):
+        fetch.fetch(server.url, target, sha(payload), backend="cpu")
+    assert not target.exists()
+    partial = tmp_path / "model.gguf.partial"
+    assert 0 < partial.stat().st_size < len(payload)
+
+    manifest = fetch.fetch(server.url, target, sha(payload), backend="cpu")
+    assert server.range_headers[-1] == f"bytes={partial_len(server)}-"
+    assert target.read_bytes() == payload
+    assert manifest["sha256"] == sha(payload) and manifest["sha256_pinned"]
+    assert leftovers(tmp_path) == ["model.gguf", "model.gguf.manifest.json"]
+
+
+def partial_len(server: FileServer) -> int:
+    return int(server.range_headers[-1].removeprefix("bytes=").removesuffix("-"))
+
+
+def test_server_without_range_support_restarts_cleanly(served, tiny_model, tmp_path):
+    payload = tiny_model.read_bytes()
+    server = served(cut_first_at=1000, ranges=False)
+    target = tmp_path / "model.gguf"
+    with pytest.raises(requests.RequestException):
+        fetch.fetch(server.url, target, sha(payload), backend="cpu")
+    fetch.fetch(server.url, target, sha(payload), backend="cpu")
+    assert target.read_bytes() == payload
+
+
+def test_checksum_mismatch_leaves_nothing_behind(served, tmp_path):
+    server = served()
+    target = tmp_path / "model.gguf"
+    with pytest.raises(WeightsError, match="checksum mismatch.*run again"):
+        fetch.fetch(server.url, target, "0" * 64, backend="cpu")
+    assert leftovers(tmp_path) == []
+
+
+def test_checksum_mismatch_keeps_the_previous_good_file(served, tiny_model, tmp_path):
+    server = served()
+    target = tmp_path / "model.gguf"
+    fetch.fetch(server.url, target, sha(tiny_model.read_bytes()), backend="cpu")
+    before = target.read_bytes()
+    with pytest.raises(WeightsError, match="checksum mismatch"):
+        fetch.fetch(server.url, target, "f" * 64, backend="cpu")
+    assert target.read_bytes() == before
+
+
+def test_a_non_gguf_answer_is_refused_even_unpinned(tmp_path):
+    server = FileServer(b"<html>login required</html>")
+    try:
+        with pytest.raises(WeightsError, match="not a GGUF file"):
+            fetch.fetch(server.url, tmp_path / "model.gguf", None, backend="cpu")
+    finally:
+        server.close()
+    assert leftovers(tmp_path) == []
+
+
+def test_rerun_with_a_matching_manifest_does_nothing(served, tiny_model, tmp_path, capsys):
+    server = served()
+    target = tmp_path / "model.gguf"
+    fetch.fetch(server.url, target, sha(tiny_model.read_bytes()), backend="cpu")
+    requests_before = len(server.range_headers)
+    manifest = fetch.fetch(server.url, target, sha(tiny_model.read_bytes()), backend="cpu")
+    assert len(server.range_headers) == requests_before
+    assert "nothing to do" in capsys.readouterr().out
+    assert json.loads((tmp_path / "model.gguf.manifest.json").read_text()) == manifest
+
+
+def test_local_path_source_and_http_error(served, tiny_model, tmp_path):
+    fetch.fetch(str(tiny_model), tmp_path / "copy.gguf", sha(tiny_model.read_bytes()), "cpu")
+    assert (tmp_path / "copy.gguf").read_bytes() == tiny_model.read_bytes()
+    server = served()
+    with pytest.raises(WeightsError, match="HTTP 404"):
+        fetch.fetch(server.url.replace("model.gguf", "other.gguf"), tmp_path / "x.gguf", None)
+
+
+def test_too_little_disk_names_the_fix(tmp_path):
+    with pytest.raises(WeightsError, match="free space there or set MODEL_DIR"):
+        fetch.check_disk(tmp_path, 2**60)
+
+
+def test_cli_reports_one_line(tmp_path, capsys):
+    assert fetch.main(["/no/such/file.gguf", str(tmp_path / "m.gguf")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fetch: ") and "\n" not in err
