@@ -19,7 +19,9 @@ PUBLISH_ADDRESS ?= 127.0.0.1
 PUBLISH_PORT ?= 8080
 # deploy/rollback: an image tag (make releases lists them); empty = the configured / previous one.
 TAG ?=
-# make model: where the GGUF comes from (https://…, hf://OWNER/REPO/FILE or a path) and its SHA-256.
+# make model: a models.yaml name (MODEL=) or a source (SOURCE=https://…, hf://OWNER/REPO/FILE, a
+# path), and optionally the expected SHA-256.
+MODEL ?=
 SOURCE ?=
 SHA256 ?=
 # One image for all three base-image roles, e.g. a local stand-in where no registry is reachable.
@@ -50,9 +52,10 @@ config: venv ## write .env and state/llama-server.env from versions.env and temp
 		--model-dir $(MODEL_DIR) --model-file $(MODEL_FILE) \
 		--publish-address $(PUBLISH_ADDRESS) --publish-port $(PUBLISH_PORT) $(BASE_IMAGE_FLAGS)
 
-model: venv ## fetch SOURCE=... [SHA256=...] into MODEL_DIR/MODEL_FILE: resumable, verified, atomic
-	@test -n "$(SOURCE)" || { echo "make model: set SOURCE=https://…, hf://OWNER/REPO/FILE or a path"; exit 2; }
-	$(CLI) fetch "$(SOURCE)" "$(MODEL_DIR)/$(MODEL_FILE)" --backend $(BACKEND) \
+model: venv ## fetch MODEL=<name in models.yaml> or SOURCE=... into MODEL_DIR/MODEL_FILE, verified
+	@test -n "$(MODEL)$(SOURCE)" || { echo "make model: set MODEL=<name in models.yaml>, or \
+		SOURCE=https://…, hf://OWNER/REPO/FILE or a path"; exit 2; }
+	$(CLI) fetch "$(or $(MODEL),$(SOURCE))" "$(MODEL_DIR)/$(MODEL_FILE)" --backend $(BACKEND) \
 		$(if $(SHA256),--sha256 $(SHA256))
 
 build: config ## build the server and smoke images (tags carry version, engine ref, backend)

@@ -10,18 +10,23 @@ placed; a rerun that finds the target matching its manifest and pin does nothing
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import requests
 import urllib3
+import yaml
 
+from ternary_serve.versions import PROJECT_ROOT, load_versions
 from ternary_serve.weights import WeightsError, verify
 
 CHUNK = 8 * 2**20
@@ -106,15 +111,29 @@ def download_url(url: str, partial: Path, expected_size: int | None, timeout: fl
             )
 
 
+@contextlib.contextmanager
+def hub_errors(what: str):
+    """huggingface_hub raises its HTTP client's own errors; the operator gets one line."""
+    try:
+        yield
+    except WeightsError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every Hub or transport failure is reported alike
+        raise WeightsError(
+            f"Hugging Face Hub, {what}: {type(exc).__name__}: {exc}: check the network and "
+            "HF_TOKEN, or fetch from an https:// URL or a local path"
+        ) from exc
+
+
 def download_hf(repo: str, filename: str, revision: str | None, partial: Path) -> None:
     """Fetch through huggingface_hub (resumable, cached), then copy into partial."""
     from huggingface_hub import hf_hub_download
 
-    cached = Path(
-        hf_hub_download(
-            repo_id=repo, filename=filename, revision=revision, token=os.environ.get("HF_TOKEN")
+    token = os.environ.get("HF_TOKEN")
+    with hub_errors(f"downloading {repo}/{filename}"):
+        cached = Path(
+            hf_hub_download(repo_id=repo, filename=filename, revision=revision, token=token)
         )
-    )
     check_disk(partial.parent, cached.stat().st_size)
     shutil.copyfile(cached, partial)
 
@@ -203,17 +222,164 @@ def fetch(
     return manifest
 
 
+# --- the catalog: models picked by name ----------------------------------------------------------
+
+CATALOG_FILE = PROJECT_ROOT / "models.yaml"
+LOCK_FILE = PROJECT_ROOT / "models.lock.json"
+ENGINES = ("prismml", "mainline")
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    name: str
+    source: str
+    engine: str
+    packing: str | None = None
+    size_bytes: int | None = None
+    sha256: str | None = None
+
+
+def load_catalog(path: Path = CATALOG_FILE) -> dict[str, CatalogEntry]:
+    """models.yaml's entries by name; none where there is no catalog (inside the images)."""
+    entries: dict[str, CatalogEntry] = {}
+    if not path.is_file():
+        return entries
+    for name, spec in (yaml.safe_load(path.read_text()) or {}).get("models", {}).items():
+        if spec.get("engine") not in ENGINES:
+            raise WeightsError(f"{path}: {name}: engine must be one of {', '.join(ENGINES)}")
+        size = spec.get("size_gib")
+        entries[name] = CatalogEntry(
+            name=name,
+            source=spec["source"],
+            engine=spec["engine"],
+            packing=spec.get("packing"),
+            size_bytes=int(size * 2**30) if size else None,
+            sha256=spec.get("sha256"),
+        )
+    return entries
+
+
+def pick_file(files: list[str], packing: str) -> str:
+    """The one GGUF in a repo's file list named with packing (PQ2_0 never matches PTQ1_0)."""
+    pattern = re.compile(rf"(^|[-_.]){re.escape(packing)}($|[-_.])", re.IGNORECASE)
+    matches = [
+        f
+        for f in files
+        if f.endswith(".gguf") and "mmproj" not in f.lower() and pattern.search(Path(f).stem)
+    ]
+    if len(matches) != 1:
+        found = ", ".join(matches) or "none"
+        raise WeightsError(
+            f"expected one {packing} GGUF in the repo, found {found}: name the file "
+            "in models.yaml as hf://OWNER/REPO/FILE"
+        )
+    return matches[0]
+
+
+def resolve_source(entry: CatalogEntry, revision: str | None) -> str:
+    if entry.packing is None:
+        return entry.source
+    from huggingface_hub import HfApi
+
+    repo = entry.source.removeprefix("hf://")
+    with hub_errors(f"listing {repo}"):
+        files = HfApi().list_repo_files(repo, revision=revision, token=os.environ.get("HF_TOKEN"))
+    return f"hf://{repo}/{pick_file(files, entry.packing)}"
+
+
+def check_engine(entry: CatalogEntry, engine_repo: str) -> None:
+    if entry.engine == "prismml" and "prismml" not in engine_repo.lower():
+        raise WeightsError(
+            f"{entry.name} needs the PrismML engine, but the configured engine is "
+            f"{engine_repo}: use ENGINE_REPO from versions.env (ENGINE_SOURCE=git)"
+        )
+
+
+def read_lock(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def pin_in_lock(path: Path, name: str, manifest: dict) -> None:
+    lock = read_lock(path)
+    lock[name] = {
+        "source": manifest["source"],
+        "sha256": manifest["sha256"],
+        "bytes": manifest["bytes"],
+        "pinned_at": manifest["fetched_at"],
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(lock, indent=2, sort_keys=True) + "\n")
+    place(tmp, path)
+
+
+def configured_engine_repo(env_file: Path) -> str:
+    """The engine the stack is configured for: .env if written, else the pinned default."""
+    if env_file.is_file():
+        for line in env_file.read_text().splitlines():
+            if line.startswith("ENGINE_REPO="):
+                return line.split("=", 1)[1]
+    return load_versions()["ENGINE_REPO"]
+
+
+def fetch_by_name(
+    name: str,
+    target: Path,
+    backend: str,
+    catalog: dict[str, CatalogEntry],
+    lock_file: Path,
+    engine_repo: str,
+    sha256: str | None = None,
+    revision: str | None = None,
+) -> dict:
+    """Fetch a catalog model; a first verified fetch of an unpinned model pins it in the lock."""
+    entry = catalog[name]
+    check_engine(entry, engine_repo)
+    locked = read_lock(lock_file).get(name, {})
+    pin = sha256 or entry.sha256 or locked.get("sha256")
+    source = locked.get("source") if locked and not entry.sha256 else None
+    manifest = fetch(
+        source or resolve_source(entry, revision), target, pin, backend, entry.size_bytes, revision
+    )
+    if not pin:
+        pin_in_lock(lock_file, name, manifest)
+        print(f"fetch: pinned {name} in {lock_file.name}: sha256 {manifest['sha256']}")
+    return manifest
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ternary-serve fetch", description=__doc__.splitlines()[0])
-    ap.add_argument("source", help="https://… URL, hf://OWNER/REPO/FILE, or a local path")
+    ap.add_argument(
+        "source", help="a models.yaml name, an https:// URL, hf://OWNER/REPO/FILE, or a local path"
+    )
     ap.add_argument("target", type=Path, help="where the GGUF goes, e.g. models/model.gguf")
     ap.add_argument("--sha256", help="expected SHA-256 (strongly recommended)")
     ap.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--size", type=int, help="expected size in bytes, for the disk-space check")
     ap.add_argument("--revision", help="Hugging Face revision (commit) to pin")
+    ap.add_argument("--catalog", type=Path, default=CATALOG_FILE)
+    ap.add_argument("--lock", type=Path, default=LOCK_FILE)
+    ap.add_argument(
+        "--env-file",
+        type=Path,
+        default=PROJECT_ROOT / ".env",
+        help="the stack's config, for the engine check",
+    )
     args = ap.parse_args(argv)
     try:
-        fetch(args.source, args.target, args.sha256, args.backend, args.size, args.revision)
+        catalog = load_catalog(args.catalog)
+        if args.source in catalog:
+            fetch_by_name(
+                args.source,
+                args.target,
+                args.backend,
+                catalog,
+                args.lock,
+                configured_engine_repo(args.env_file),
+                args.sha256,
+                args.revision,
+            )
+        else:
+            fetch(args.source, args.target, args.sha256, args.backend, args.size, args.revision)
     except WeightsError as exc:
         print(f"fetch: {exc}", file=sys.stderr)
         return 1

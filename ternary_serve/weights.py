@@ -31,12 +31,38 @@ def require_ternary_gguf():
     return gguf
 
 
+def identify(head: bytes) -> str:
+    """What a file is, from its first bytes. Operators receive weights under many names (a
+    `model.ptq`, say); the content decides, never the extension."""
+    if head[:4] == GGUF_MAGIC:
+        return "gguf"
+    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 2**27:
+        return "safetensors"
+    if head[:4] == b"PK\x03\x04":
+        return "zip (a PyTorch .pt/.bin checkpoint or an archive)"
+    if head[:2] == b"\x1f\x8b":
+        return "gzip"
+    if head[:4] == b"\x28\xb5\x2f\xfd":
+        return "zstd"
+    if head[:5] == b"<?xml" or head[:1] == b"<":
+        return "HTML/XML (an error page saved as the model?)"
+    if head[:4] == b"ggjt" or head[:4] == b"tjgg":
+        return "legacy GGJT (pre-GGUF llama.cpp)"
+    return f"unknown (first bytes {head[:8].hex(' ')})"
+
+
+WHAT_TO_DO = {
+    "safetensors": "convert the Hugging Face checkpoint to GGUF first",
+    "legacy GGJT (pre-GGUF llama.cpp)": "get the model's GGUF release",
+}
+
+
 def verify(path: Path, backend: str) -> dict:
     """Check that path is a complete GGUF whose tensor types the backend runs. Returns a summary."""
     gguf = require_ternary_gguf()
     try:
         with path.open("rb") as fh:
-            magic = fh.read(4)
+            head = fh.read(16)
     except FileNotFoundError:
         raise WeightsError(
             f"model file {path} not found: put the GGUF there or set MODEL_FILE (make config)"
@@ -50,10 +76,10 @@ def verify(path: Path, backend: str) -> dict:
         raise WeightsError(
             f"{path} is a directory: set MODEL_FILE to the .gguf file in it"
         ) from None
-    if magic != GGUF_MAGIC:
-        raise WeightsError(
-            f"{path} is not a GGUF file (starts with {magic!r}): fetch the model again"
-        )
+    kind = identify(head)
+    if kind != "gguf":
+        fix = WHAT_TO_DO.get(kind, "fetch the model again")
+        raise WeightsError(f"{path} is not a GGUF file: its content is {kind}: {fix}")
     try:
         reader = gguf.GGUFReader(path)
     except ValueError as exc:

@@ -178,3 +178,59 @@ def test_cli_reports_one_line(tmp_path, capsys):
     assert fetch.main(["/no/such/file.gguf", str(tmp_path / "m.gguf")]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("fetch: ") and "\n" not in err
+
+
+# --- the catalog ---------------------------------------------------------------------------------
+
+
+def test_shipped_catalog_is_valid_and_names_the_engines():
+    catalog = fetch.load_catalog()
+    assert {"bonsai-2-27b-ptq1_0", "bonsai-2-27b-pq2_0", "bonsai-8b-q2_0"} <= catalog.keys()
+    assert catalog["bonsai-2-27b-pq2_0"].engine == "prismml"
+    assert catalog["bonsai-8b-q2_0"].source.endswith("Ternary-Bonsai-8B-Q2_0_g64.gguf")
+
+
+@pytest.mark.parametrize(
+    "packing, expected",
+    [("PQ2_0", "Ternary-Bonsai-2-27B-PQ2_0.gguf"), ("PTQ1_0", "Ternary-Bonsai-2-27B-PTQ1_0.gguf")],
+)
+def test_packing_picks_exactly_its_file(packing, expected):
+    files = [
+        "README.md",
+        "Ternary-Bonsai-2-27B-PTQ1_0.gguf",
+        "Ternary-Bonsai-2-27B-PQ2_0.gguf",
+        "mmproj-Ternary-Bonsai-2-27B-PQ2_0.gguf",
+        "Ternary-Bonsai-2-27B-F16.gguf",
+    ]
+    assert fetch.pick_file(files, packing) == expected
+
+
+def test_packing_that_is_missing_or_ambiguous_names_the_fix():
+    with pytest.raises(WeightsError, match="found none.*hf://OWNER/REPO/FILE"):
+        fetch.pick_file(["a-Q2_0_g64.gguf"], "PQ2_0")
+    with pytest.raises(WeightsError, match="found a-PQ2_0.gguf, b-PQ2_0.gguf"):
+        fetch.pick_file(["a-PQ2_0.gguf", "b-PQ2_0.gguf"], "PQ2_0")
+
+
+def test_prismml_model_refused_for_a_mainline_engine():
+    entry = fetch.load_catalog()["bonsai-2-27b-pq2_0"]
+    with pytest.raises(WeightsError, match="needs the PrismML engine"):
+        fetch.check_engine(entry, "https://github.com/ggml-org/llama.cpp")
+    fetch.check_engine(entry, "https://github.com/PrismML-Eng/llama.cpp")
+
+
+def test_first_fetch_pins_the_lock_and_later_fetches_enforce_it(served, tiny_model, tmp_path):
+    server = served()
+    catalog_file = tmp_path / "models.yaml"
+    catalog_file.write_text(f"models:\n  tiny:\n    source: {server.url}\n    engine: mainline\n")
+    catalog, lock = fetch.load_catalog(catalog_file), tmp_path / "models.lock.json"
+    engine = "https://github.com/ggml-org/llama.cpp"
+    fetch.fetch_by_name("tiny", tmp_path / "a.gguf", "cpu", catalog, lock, engine)
+    pinned = json.loads(lock.read_text())["tiny"]
+    assert pinned["sha256"] == sha(tiny_model.read_bytes())
+
+    server.payload = server.payload[:-1] + b"\x00"  # the upstream file changed under the same name
+    with pytest.raises(WeightsError, match="checksum mismatch"):
+        fetch.fetch_by_name("tiny", tmp_path / "b.gguf", "cpu", catalog, lock, engine)
+    assert not (tmp_path / "b.gguf").exists()
+    assert json.loads(lock.read_text())["tiny"] == pinned

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 
@@ -42,8 +43,33 @@ def test_missing_file(tmp_path):
 def test_not_a_gguf(tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(b"<html>404 Not Found</html>")
-    with pytest.raises(WeightsError, match="not a GGUF file.*fetch the model again"):
+    with pytest.raises(WeightsError, match="not a GGUF file: its content is HTML.*fetch the model"):
         weights.verify(path, "cpu")
+
+
+def safetensors_bytes() -> bytes:
+    header = json.dumps({"w": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}}).encode()
+    return len(header).to_bytes(8, "little") + header + b"\x00" * 4
+
+
+@pytest.mark.parametrize(
+    "content, found, fix",
+    [
+        (None, "gguf", None),  # the tiny model under another name: served as what it is
+        (safetensors_bytes(), "safetensors", "convert the Hugging Face checkpoint"),
+        (b"PK\x03\x04" + b"\x00" * 60, "zip", "fetch the model again"),
+        (b"\x8f\x13\x00\x42" * 16, "unknown \\(first bytes 8f 13 00 42", "fetch the model again"),
+    ],
+)
+def test_model_ptq_is_judged_by_content(tiny_model, tmp_path, content, found, fix):
+    """Operators receive `model.ptq` files: no such format exists; the bytes say what it is."""
+    path = tmp_path / "model.ptq"
+    path.write_bytes(tiny_model.read_bytes() if content is None else content)
+    if fix is None:
+        assert weights.verify(path, "cuda")["architecture"] == "llama"
+        return
+    with pytest.raises(WeightsError, match=f"its content is {found}.*{fix}"):
+        weights.verify(path, "cuda")
 
 
 @pytest.mark.parametrize("keep", [100, 0.5, 0.999])
