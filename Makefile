@@ -32,11 +32,11 @@ STAND_IN_IMAGE := local/debian:bookworm-test
 BASE_IMAGE_FLAGS := $(if $(BASE_IMAGE_OVERRIDE),--build-base-image $(BASE_IMAGE_OVERRIDE) \
 	--runtime-base-image $(BASE_IMAGE_OVERRIDE) --smoke-base-image $(BASE_IMAGE_OVERRIDE))
 
-.PHONY: help venv config model build release up deploy rollback releases down smoke logs demo test \
+.PHONY: help venv versions config model build release up deploy rollback releases down smoke logs demo test \
 	lint bootstrap
 
 help: ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
 $(VENV)/.installed: pyproject.toml
 	python3 tests/bootstrap.py engine-source
@@ -46,6 +46,13 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 venv: $(VENV)/.installed ## Python environment with the package and dev tools
+
+versions: ## the pins this checkout builds with (versions.env)
+	@echo "project  $(PROJECT_VERSION)"
+	@echo "engine   $(ENGINE_REPO) @ $(ENGINE_REF) (commit $(ENGINE_COMMIT))"
+	@echo "offline  $(MAINLINE_ENGINE_REPO) @ $(OFFLINE_ENGINE_REF) (commit $(OFFLINE_ENGINE_COMMIT))"
+	@echo "cuda     $(CUDA_VERSION), architectures $(CUDA_ARCHITECTURES), gcc $(GCC_VERSION)"
+	@echo "images   $(CUDA_BUILD_IMAGE) -> $(CUDA_RUNTIME_IMAGE); cpu: $(CPU_RUNTIME_IMAGE)"
 
 config: venv ## write .env and state/llama-server.env from versions.env and templates/
 	$(CLI) config --backend $(BACKEND) --engine-source $(ENGINE_SOURCE) \
