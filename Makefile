@@ -57,6 +57,7 @@ versions: ## the pins this checkout builds with (versions.env)
 config: venv ## write .env and state/llama-server.env from versions.env and templates/
 	$(CLI) config --backend $(BACKEND) --engine-source $(ENGINE_SOURCE) \
 		--model-dir $(MODEL_DIR) --model-file $(MODEL_FILE) \
+		--model-source "$(or $(MODEL),$(SOURCE))" --model-sha256 "$(SHA256)" \
 		--publish-address $(PUBLISH_ADDRESS) --publish-port $(PUBLISH_PORT) $(BASE_IMAGE_FLAGS)
 
 model: venv ## fetch MODEL=<name in models.yaml> or SOURCE=... into MODEL_DIR/MODEL_FILE, verified
@@ -71,7 +72,8 @@ build: config ## build the server and smoke images (tags carry version, engine r
 release: build ## build and tag a release (the tag is printed; make releases lists deployed ones)
 	@grep '^IMAGE_TAG=' .env
 
-up: build ## build, then deploy the configured tag: live only if healthy and smoke passes
+up: build ## build, fetch MODEL/SOURCE if given, deploy: live only if healthy and smoke passes
+	$(if $(MODEL)$(SOURCE),$(MAKE) --no-print-directory model)
 	$(CLI) release deploy
 
 deploy: venv ## deploy TAG=...: on failed health or smoke, the previous good release comes back

@@ -15,6 +15,7 @@ COMMANDS = {
     ),
     "smoke": ("smoke", "smoke test a running server"),
     "fetch": ("fetch", "download a GGUF (resumable, checksummed, verified) into place"),
+    "model-init": ("fetch:init_main", "fetch the configured model if given, then verify it"),
     "verify": ("weights", "check a GGUF before serving it"),
     "synth": ("synthetic", "write a synthetic ternary Q2_0 model"),
     "bench": ("bench", "benchmark an engine build: llama-bench, then llama-server + smoke"),
@@ -32,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stdout if asked_for_help else sys.stderr,
         )
         return 0 if asked_for_help else 2
-    module = importlib.import_module(f"ternary_serve.{COMMANDS[argv[0]][0]}")
-    return module.main(argv[1:])
+    module_name, _, function = COMMANDS[argv[0]][0].partition(":")
+    module = importlib.import_module(f"ternary_serve.{module_name}")
+    return getattr(module, function or "main")(argv[1:])
 
 
 if __name__ == "__main__":

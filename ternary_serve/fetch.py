@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -151,6 +152,28 @@ def manifest_path(target: Path) -> Path:
     return target.with_name(target.name + ".manifest.json")
 
 
+def write_manifest(
+    target: Path, source: str, sha256: str, summary: dict, seconds: float, pinned: bool = True
+) -> dict:
+    manifest = {
+        "source": source,
+        "path": str(target),
+        "sha256": sha256,
+        "bytes": target.stat().st_size,
+        "sha256_pinned": pinned,
+        "architecture": summary["architecture"],
+        "tensor_types": summary["tensor_types"],
+        "backend_checked": summary["backend"],
+        "seconds": round(seconds, 1),
+        "fetched_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    manifest_file = manifest_path(target)
+    tmp = manifest_file.with_name(manifest_file.name + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    place(tmp, manifest_file)
+    return manifest
+
+
 def fetch(
     source: str,
     target: Path,
@@ -163,6 +186,10 @@ def fetch(
     """Bring source to target; returns the manifest. Raises WeightsError, target untouched."""
     target.parent.mkdir(parents=True, exist_ok=True)
     manifest_file = manifest_path(target)
+    placed_by_hand = target.is_file() and not manifest_file.is_file()
+    if placed_by_hand and sha256 and sha256_of(target) == sha256.lower():
+        print(f"fetch: {target} is already in place (matches the pin); recording a manifest")
+        return write_manifest(target, source, sha256.lower(), verify(target, backend), 0.0)
     if target.is_file() and manifest_file.is_file():
         manifest = json.loads(manifest_file.read_text())
         if (
@@ -200,32 +227,20 @@ def fetch(
         partial.unlink()
         raise
     place(partial, target)
-    manifest = {
-        "source": source,
-        "path": str(target),
-        "sha256": actual,
-        "bytes": target.stat().st_size,
-        "sha256_pinned": bool(sha256),
-        "architecture": summary["architecture"],
-        "tensor_types": summary["tensor_types"],
-        "backend_checked": backend,
-        "seconds": round(time.monotonic() - started, 1),
-        "fetched_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    tmp = manifest_file.with_name(manifest_file.name + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    place(tmp, manifest_file)
+    write_manifest(target, source, actual, summary, time.monotonic() - started, bool(sha256))
     print(
         f"fetch: {target} in place: sha256 {actual}"
         + ("" if sha256 else " (not pinned: record it to pin this file)")
     )
-    return manifest
+    return json.loads(manifest_file.read_text())
 
 
 # --- the catalog: models picked by name ----------------------------------------------------------
 
-CATALOG_FILE = PROJECT_ROOT / "models.yaml"
-LOCK_FILE = PROJECT_ROOT / "models.lock.json"
+# The images carry the catalog elsewhere and say where in TERNARY_SERVE_CATALOG.
+CATALOG_FILE = Path(os.environ.get("TERNARY_SERVE_CATALOG", PROJECT_ROOT / "models.yaml"))
+# First-fetch pins live beside the models they pin, shared by `make model` and model-init.
+LOCK_NAME = "models.lock.json"
 ENGINES = ("prismml", "mainline")
 
 
@@ -346,47 +361,91 @@ def fetch_by_name(
     return manifest
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ternary-serve fetch", description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "source", help="a models.yaml name, an https:// URL, hf://OWNER/REPO/FILE, or a local path"
-    )
-    ap.add_argument("target", type=Path, help="where the GGUF goes, e.g. models/model.gguf")
+def obtain(source: str, target: Path, args: argparse.Namespace) -> dict:
+    """Fetch source (a catalog name or a location) to target, as the command line asked."""
+    catalog = load_catalog(args.catalog)
+    if source in catalog:
+        engine = args.engine_repo or configured_engine_repo(args.env_file)
+        lock = args.lock or target.parent / LOCK_NAME
+        return fetch_by_name(
+            source, target, args.backend, catalog, lock, engine, args.sha256, args.revision
+        )
+    return fetch(source, target, args.sha256, args.backend, args.size, args.revision)
+
+
+def parser(prog: str, description: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--sha256", help="expected SHA-256 (strongly recommended)")
     ap.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--size", type=int, help="expected size in bytes, for the disk-space check")
     ap.add_argument("--revision", help="Hugging Face revision (commit) to pin")
     ap.add_argument("--catalog", type=Path, default=CATALOG_FILE)
-    ap.add_argument("--lock", type=Path, default=LOCK_FILE)
+    ap.add_argument(
+        "--lock", type=Path, help=f"first-fetch pins (default: {LOCK_NAME} beside the target)"
+    )
+    ap.add_argument("--engine-repo", help="the engine the stack runs (default: from --env-file)")
     ap.add_argument(
         "--env-file",
         type=Path,
         default=PROJECT_ROOT / ".env",
         help="the stack's config, for the engine check",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def run_reporting(action, source: str) -> int:
     try:
-        catalog = load_catalog(args.catalog)
-        if args.source in catalog:
-            fetch_by_name(
-                args.source,
-                args.target,
-                args.backend,
-                catalog,
-                args.lock,
-                configured_engine_repo(args.env_file),
-                args.sha256,
-                args.revision,
-            )
-        else:
-            fetch(args.source, args.target, args.sha256, args.backend, args.size, args.revision)
+        action()
     except WeightsError as exc:
         print(f"fetch: {exc}", file=sys.stderr)
         return 1
     except requests.RequestException as exc:
         print(
-            f"fetch: {args.source}: {exc}: the partial download is kept; run again to resume",
+            f"fetch: {source}: {exc}: the partial download is kept; run again to resume",
             file=sys.stderr,
         )
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser("ternary-serve fetch", __doc__.splitlines()[0])
+    ap.add_argument(
+        "source", help="a models.yaml name, an https:// URL, hf://OWNER/REPO/FILE, or a local path"
+    )
+    ap.add_argument("target", type=Path, help="where the GGUF goes, e.g. models/model.gguf")
+    args = ap.parse_args(argv)
+    return run_reporting(lambda: obtain(args.source, args.target, args), args.source)
+
+
+SERVER_UID = 10001  # the llama-server image's user
+
+
+def require_server_can_read(path: Path) -> None:
+    """model-init runs as root; the server does not, so it needs the world-read bits."""
+    if not path.stat().st_mode & stat.S_IROTH or not path.parent.stat().st_mode & stat.S_IXOTH:
+        raise WeightsError(
+            f"{path} is not readable by uid {SERVER_UID} (the server's user): "
+            "chmod a+r the file and a+rx its directory"
+        )
+
+
+def init_main(argv: list[str] | None = None) -> int:
+    """Compose's model-init: fetch the configured model if a source is given, then verify it."""
+    ap = parser("ternary-serve model-init", init_main.__doc__)
+    ap.add_argument("target", type=Path, help="the model file the server will load")
+    ap.add_argument("--source", default="", help="where to fetch it from when it is not in place")
+    args = ap.parse_args(argv)
+    args.sha256 = args.sha256 or None  # Compose passes unset variables as empty strings
+
+    def init() -> None:
+        if args.source:
+            obtain(args.source, args.target, args)
+        summary = verify(args.target, args.backend)
+        require_server_can_read(args.target)
+        print(
+            f"model-init: {args.target} ready: {summary['architecture']}, "
+            f"{', '.join(summary['tensor_types'])}"
+        )
+
+    return run_reporting(init, args.source or str(args.target))

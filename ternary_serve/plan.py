@@ -37,6 +37,8 @@ class Choices:
     project_name: str = "ternary-serve"
     model_dir: Path = PROJECT_ROOT / "models"
     model_file: str = "model.gguf"
+    model_source: str = ""
+    model_sha256: str = ""
     publish_address: str = "127.0.0.1"
     publish_port: int = 8080
     build_base_image: str | None = None
@@ -116,6 +118,8 @@ def compose_env(pins: dict[str, str], choices: Choices, server_env: Path) -> dic
         ),
         "MODEL_DIR": str(choices.model_dir.resolve()),
         "MODEL_FILE": choices.model_file,
+        "MODEL_SOURCE": choices.model_source,
+        "MODEL_SHA256": choices.model_sha256,
         "SERVER_PORT": "8080",
         "PUBLISH_ADDRESS": choices.publish_address,
         "PUBLISH_PORT": str(choices.publish_port),
@@ -193,6 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--model-dir", type=Path, default=Choices.model_dir)
     ap.add_argument("--model-file", default=Choices.model_file)
+    ap.add_argument(
+        "--model-source",
+        default="",
+        help="what model-init fetches when the file is not in place (a models.yaml "
+        "name, https://, hf://, a path)",
+    )
+    ap.add_argument("--model-sha256", default="", help="the model's expected SHA-256")
     ap.add_argument("--publish-address", default=Choices.publish_address)
     ap.add_argument("--publish-port", type=int, default=Choices.publish_port)
     ap.add_argument("--build-base-image", help="override the pinned build base image")

@@ -203,7 +203,7 @@ def bring_up(project: Project, tag: str, wait_timeout: int) -> str | None:
     )
     if up.returncode != 0:
         detail = (up.stderr.strip().splitlines() or ["no output"])[-1]
-        logs = project.compose("logs", "--no-color", "--tail", "5", "model-check", "llama-server")
+        logs = project.compose("logs", "--no-color", "--tail", "5", "model-init", "llama-server")
         hint = " | ".join(line.split("|", 1)[-1].strip() for line in logs.stdout.splitlines()[-3:])
         return f"not healthy: {detail}" + (f" (last log lines: {hint})" if hint else "")
     smoke = project.compose("run", "--rm", "--no-deps", "smoke", timeout=600)

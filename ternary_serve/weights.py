@@ -120,6 +120,7 @@ def verify(path: Path, backend: str) -> dict:
         "tensor_types": types,
         "tensors": len(reader.tensors),
         "bytes": size,
+        "backend": backend,
     }
 
 

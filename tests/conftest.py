@@ -47,9 +47,9 @@ def stack_for(built, tmp_path, request):
     """A fresh Compose project on the built images, serving the given model; always torn down."""
     made: list[Stack] = []
 
-    def make(model: Path) -> Stack:
+    def make(model: Path, **choices) -> Stack:
         name = "ts-" + re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-")
-        stack = configure(tmp_path / "stack", model, name)
+        stack = configure(tmp_path / "stack", model, name, **choices)
         assert stack.env["IMAGE_TAG"] == built.env["IMAGE_TAG"]
         made.append(stack)
         return stack

@@ -67,10 +67,10 @@ def readable_by_containers(model: Path) -> None:
         model.chmod(0o644)
 
 
-def configure(workdir: Path, model: Path, name: str) -> Stack:
+def configure(workdir: Path, model: Path, name: str, **choices) -> Stack:
     workdir.mkdir(parents=True, exist_ok=True)
     readable_by_containers(model)
-    choices = plan.Choices(
+    selected = plan.Choices(
         backend="cpu",
         engine_source="local",
         project_name=name,
@@ -80,6 +80,7 @@ def configure(workdir: Path, model: Path, name: str) -> Stack:
         build_base_image=STAND_IN_IMAGE,
         runtime_base_image=STAND_IN_IMAGE,
         smoke_base_image=STAND_IN_IMAGE,
+        **choices,
     )
-    env = plan.configure(choices, workdir / ".env", workdir)
+    env = plan.configure(selected, workdir / ".env", workdir)
     return Stack(workdir, name, env)

@@ -9,6 +9,7 @@ fork's PTQ1_0/PQ2_0 kernels run only on a real box (README: "Verified only on a 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -147,9 +148,44 @@ def test_bad_model_never_starts_the_server(stack_for, tiny_model, tmp_path, dama
         bad.chmod(0o600)  # owned by root: the containers' uid 10001 cannot read it
     up = stack.compose("up", "-d", "--wait", "--wait-timeout", "120", "llama-server")
     assert up.returncode != 0
-    logs = stack.compose("logs", "--no-color", "model-check").stdout
+    logs = stack.compose("logs", "--no-color", "model-init").stdout
     assert message in logs, logs
     assert stack.compose("run", "--rm", "smoke", timeout=180).returncode != 0
+    states = stack.compose("ps", "-a", "--format", "{{.Service}} {{.State}}").stdout
+    assert "llama-server running" not in states, states
+
+
+def test_model_init_fetches_the_configured_source_before_the_server_starts(
+    stack_for, tiny_model, tmp_path
+):
+    """A fresh host: nothing at MODEL_FILE; model-init fetches MODEL_SOURCE, checked by SHA-256."""
+    models = tmp_path / "models"
+    (models / "incoming").mkdir(parents=True)
+    shutil.copy(tiny_model, models / "incoming" / "tiny.gguf")
+    digest = hashlib.sha256(tiny_model.read_bytes()).hexdigest()
+    stack = stack_for(
+        models / "model.gguf", model_source="/models/incoming/tiny.gguf", model_sha256=digest
+    )
+    up = stack.compose("up", "-d", "--wait", "--wait-timeout", "120", "llama-server")
+    assert up.returncode == 0, up.stderr[-3000:]
+    assert (models / "model.gguf").read_bytes() == tiny_model.read_bytes()
+    manifest = json.loads((models / "model.gguf.manifest.json").read_text())
+    assert manifest["sha256"] == digest
+    assert requests.get(f"{stack.url}/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_model_init_refuses_a_source_with_the_wrong_checksum(stack_for, tiny_model, tmp_path):
+    models = tmp_path / "models"
+    (models / "incoming").mkdir(parents=True)
+    shutil.copy(tiny_model, models / "incoming" / "tiny.gguf")
+    stack = stack_for(
+        models / "model.gguf", model_source="/models/incoming/tiny.gguf", model_sha256="0" * 64
+    )
+    up = stack.compose("up", "-d", "--wait", "--wait-timeout", "120", "llama-server")
+    assert up.returncode != 0
+    logs = stack.compose("logs", "--no-color", "model-init").stdout
+    assert "checksum mismatch" in logs, logs
+    assert not (models / "model.gguf").exists()
     states = stack.compose("ps", "-a", "--format", "{{.Service}} {{.State}}").stdout
     assert "llama-server running" not in states, states
 
