@@ -64,11 +64,13 @@ class Project:
         write_atomic(self.env_file, "\n".join(replaced) + "\n")
 
     def compose(
-        self, *args: str, timeout: float = WAIT_TIMEOUT_S + 60
+        self, *args: str, timeout: float = WAIT_TIMEOUT_S + 60, tag: str | None = None
     ) -> subprocess.CompletedProcess:
+        """docker compose on this project; tag runs it for another release, .env unchanged."""
         cmd = ["docker", "compose", "--env-file", str(self.env_file), *args]
+        env = {**os.environ, "IMAGE_TAG": tag} if tag else None  # the shell beats .env
         return subprocess.run(
-            cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout
+            cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout, env=env
         )
 
 
@@ -132,15 +134,6 @@ def require_images(client: docker.DockerClient, env: dict[str, str], tag: str) -
             ) from None
 
 
-def local_tags(client: docker.DockerClient, repo: str) -> set[str]:
-    return {
-        t.split(":", 1)[1]
-        for image in client.images.list(name=repo)
-        for t in image.tags
-        if t.startswith(f"{repo}:")
-    }
-
-
 def prune(
     client: docker.DockerClient, env: dict[str, str], history: list[dict], keep: int
 ) -> list[str]:
@@ -189,6 +182,12 @@ def deploy_lock(project: Project):
         yield
 
 
+def last_line(result: subprocess.CompletedProcess) -> str:
+    """The line that says why, from a one-shot container's output."""
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    return lines[-1].split("|", 1)[-1].strip() if lines else "no output"
+
+
 def bring_up(project: Project, tag: str, wait_timeout: int) -> str | None:
     """Start tag and smoke test it. Returns None on success, else what failed (one line)."""
     project.set_tag(tag)
@@ -208,8 +207,7 @@ def bring_up(project: Project, tag: str, wait_timeout: int) -> str | None:
         return f"not healthy: {detail}" + (f" (last log lines: {hint})" if hint else "")
     smoke = project.compose("run", "--rm", "--no-deps", "smoke", timeout=600)
     if smoke.returncode != 0:
-        detail = (smoke.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"smoke test failed: {detail}"
+        return f"smoke test failed: {last_line(smoke)}"
     print(smoke.stdout.rstrip(), flush=True)  # the TTFT / decode table
     return None
 
@@ -236,6 +234,18 @@ def deploy(
             )
             history = read_history(project)
         fallback = current_live(history)
+        # The model and server flags live in .env, not in the release: a bad one would fail the
+        # fallback too. Check it with the new release's model-init while nothing has changed.
+        check = project.compose(
+            "run", "--rm", "--no-deps", "model-init", tag=tag, timeout=wait_timeout + 120
+        )
+        if check.returncode != 0:
+            detail = last_line(check)
+            append_history(project, tag=tag, status="refused", event=event, detail=detail)
+            live = f"{fallback} is still live" if fallback else "nothing was live"
+            raise ReleaseError(
+                f"{event} of {tag} refused before any change: model check failed: {detail}; {live}"
+            )
         manifest = model_manifest_hash(env)
         append_history(project, tag=tag, status="started", event=event, model_manifest=manifest)
         print(f"{event}: starting {tag}", flush=True)

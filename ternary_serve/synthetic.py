@@ -16,7 +16,6 @@ import numpy as np
 from ternary_serve.weights import require_ternary_gguf
 
 Q2_0_GROUP = 64
-Q2_0_BLOCK_BYTES = 2 + Q2_0_GROUP // 4  # fp16 scale + 2 bits per weight
 
 # ChatML: what the Qwen-family Bonsai models use; llama-server recognises it.
 CHAT_TEMPLATE = (

@@ -70,17 +70,17 @@ def readable_by_containers(model: Path) -> None:
 def configure(workdir: Path, model: Path, name: str, **choices) -> Stack:
     workdir.mkdir(parents=True, exist_ok=True)
     readable_by_containers(model)
-    selected = plan.Choices(
-        backend="cpu",
-        engine_source="local",
-        project_name=name,
-        model_dir=model.parent,
-        model_file=model.name,
-        publish_port=free_port(),
-        build_base_image=STAND_IN_IMAGE,
-        runtime_base_image=STAND_IN_IMAGE,
-        smoke_base_image=STAND_IN_IMAGE,
-        **choices,
-    )
+    defaults = {
+        "backend": "cpu",
+        "engine_source": "local",
+        "project_name": name,
+        "model_dir": model.parent,
+        "model_file": model.name,
+        "publish_port": free_port(),
+        "build_base_image": STAND_IN_IMAGE,
+        "runtime_base_image": STAND_IN_IMAGE,
+        "smoke_base_image": STAND_IN_IMAGE,
+    }
+    selected = plan.Choices(**{**defaults, **choices})
     env = plan.configure(selected, workdir / ".env", workdir)
     return Stack(workdir, name, env)

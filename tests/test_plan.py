@@ -65,8 +65,8 @@ def test_cpu_variant_adds_the_cpu_override_and_no_gpu_layers(tmp_path):
     assert env["IMAGE_TAG"].endswith("-cpu")
 
 
-def test_template_renders_the_same_for_ansible_style_variables():
-    """Ansible renders this template with its own variables: only these three are required."""
+def test_template_needs_only_backend_model_and_port():
+    """Ansible will render this template with its own variables: these three must suffice."""
     text = plan.render_server_env({"backend": "cuda", "model_file": "m.gguf", "server_port": 9000})
     assert "LLAMA_ARG_PORT=9000" in text
 

@@ -108,6 +108,29 @@ def test_failed_deploy_rolls_back_and_rollback_by_tag(project, tags):
     assert serving(stack) == "release-v2"
 
 
+def test_bad_model_config_is_refused_and_the_live_release_keeps_serving(
+    project, tags, tiny_model, tmp_path
+):
+    """`make config MODEL_FILE=<a truncated file>` then a deploy: refused before any change."""
+    stack, proj = project
+    release.deploy(proj, tags["v1"], wait_timeout=WAIT)
+    truncated = tiny_model.parent / "truncated.gguf"
+    truncated.write_bytes(tiny_model.read_bytes()[:50_000])
+    truncated.chmod(0o644)
+    configure(stack.workdir, truncated, stack.name, publish_port=int(stack.env["PUBLISH_PORT"]))
+    env_before = proj.env_file.read_bytes()
+    with pytest.raises(release.ReleaseError) as refused:
+        release.deploy(proj, tags["v2"], wait_timeout=WAIT)
+    message = str(refused.value)
+    assert "refused before any change" in message and "truncated" in message
+    assert f"{tags['v1']} is still live" in message
+    assert serving(stack) == "release-v1" and chat_ok(stack)
+    assert proj.env_file.read_bytes() == env_before
+    history = release.read_history(proj)
+    assert history[-1]["status"] == "refused"
+    assert release.current_live(history) == tags["v1"]
+
+
 def test_unknown_tag_is_refused_before_anything_changes(project, tags):
     stack, proj = project
     release.deploy(proj, tags["v1"], wait_timeout=WAIT)

@@ -72,6 +72,8 @@ def test_compose_up_serves_and_the_smoke_sidecar_passes(stack_for, tiny_model):
         assert reply.status_code == 200
         assert reply.json()["choices"][0]["message"]["role"] == "assistant"
         assert requests.get(f"{stack.url}/health", timeout=10).json() == {"status": "ok"}
+        metrics = requests.get(f"{stack.url}/metrics", timeout=10)  # the template turns it on
+        assert metrics.status_code == 200 and "llamacpp:" in metrics.text
     finally:
         proc.terminate()
         proc.wait(timeout=120)
