@@ -20,10 +20,15 @@ PUBLISH_PORT ?= 8080
 # deploy/rollback: an image tag (make releases lists them); empty = the configured / previous one.
 TAG ?=
 # make model: a models.yaml name (MODEL=) or a source (SOURCE=https://…, hf://OWNER/REPO/FILE, a
-# path), and optionally the expected SHA-256.
+# path, a Hugging Face checkpoint directory), and optionally the expected SHA-256.
 MODEL ?=
 SOURCE ?=
 SHA256 ?=
+# make convert: SRC= a checkpoint directory or a GGUF; TYPE= the target type; EMBEDDINGS_TYPE= the
+# type for token_embd/output (empty: llama-quantize's choice).
+SRC ?=
+TYPE ?= Q2_0
+EMBEDDINGS_TYPE ?=
 # One image for all three base-image roles, e.g. a local stand-in where no registry is reachable.
 BASE_IMAGE_OVERRIDE ?=
 # The stand-in that tests/bootstrap.py builds on machines without registry access.
@@ -32,8 +37,8 @@ STAND_IN_IMAGE := local/debian:bookworm-test
 BASE_IMAGE_FLAGS := $(if $(BASE_IMAGE_OVERRIDE),--build-base-image $(BASE_IMAGE_OVERRIDE) \
 	--runtime-base-image $(BASE_IMAGE_OVERRIDE) --smoke-base-image $(BASE_IMAGE_OVERRIDE))
 
-.PHONY: help venv versions config model build release up deploy rollback releases down smoke logs demo test \
-	lint bootstrap
+.PHONY: help venv versions config model convert build release up deploy rollback releases down smoke logs \
+	demo test lint bootstrap
 
 help: ## list targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -62,11 +67,20 @@ config: venv ## write .env and state/llama-server.env from versions.env and temp
 
 model: venv ## fetch MODEL=<name in models.yaml> or SOURCE=... into MODEL_DIR/MODEL_FILE, verified
 	@test -n "$(MODEL)$(SOURCE)" || { echo "make model: set MODEL=<name in models.yaml>, or \
-		SOURCE=https://…, hf://OWNER/REPO/FILE or a path"; exit 2; }
-	$(CLI) fetch "$(or $(MODEL),$(SOURCE))" "$(MODEL_DIR)/$(MODEL_FILE)" --backend $(BACKEND) \
-		$(if $(SHA256),--sha256 $(SHA256))
+		SOURCE=https://…, hf://OWNER/REPO/FILE, a file or a checkpoint directory"; exit 2; }
+	$(if $(and $(SOURCE),$(wildcard $(SOURCE)/config.json)),\
+		$(MAKE) --no-print-directory convert SRC=$(SOURCE),\
+		$(CLI) fetch "$(or $(MODEL),$(SOURCE))" "$(MODEL_DIR)/$(MODEL_FILE)" --backend $(BACKEND) \
+			$(if $(SHA256),--sha256 $(SHA256)))
 
-build: config ## build the server and smoke images (tags carry version, engine ref, backend)
+convert: build ## SRC=<checkpoint dir or GGUF> -> TYPE (Q2_0) at MODEL_DIR/MODEL_FILE, engine's tools
+	@test -n "$(SRC)" || { echo "make convert: set SRC=<Hugging Face checkpoint directory or GGUF>"; \
+		exit 2; }
+	$(COMPOSE) run --rm --no-deps -v "$(abspath $(SRC)):/input/$(notdir $(abspath $(SRC))):ro" \
+		model-init convert "/input/$(notdir $(abspath $(SRC)))" "/models/$(MODEL_FILE)" \
+		--type $(TYPE) --backend $(BACKEND) $(if $(EMBEDDINGS_TYPE),--embeddings-type $(EMBEDDINGS_TYPE))
+
+build: config ## build the server, model-init and smoke images (tags carry version, engine ref, backend)
 	$(COMPOSE) build
 
 release: build ## build and tag a release (the tag is printed; make releases lists deployed ones)

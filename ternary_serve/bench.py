@@ -3,6 +3,10 @@ flags rendered from templates/llama-server.env.j2 and measured by the smoke clie
 
 Runs natively (no Docker): point --bin at the engine's bin/ (docker/build_engine.py --prefix).
 Prints a table and writes JSON next to --out.
+
+`ternary-serve bench-convert` measures conversion instead: a synthetic checkpoint of 27B-class
+layers through the model-init image's `convert` (engine converter + llama-quantize), reporting
+throughput and the tools' peak memory from the conversion manifest.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -22,11 +27,14 @@ from ternary_serve import plan, smoke
 
 
 def gpu_name() -> str:
-    out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-    )
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        )
+    except FileNotFoundError:
+        return "no NVIDIA GPU (no nvidia-smi)"
     return out.stdout.strip() if out.returncode == 0 else "no NVIDIA GPU"
 
 
@@ -160,3 +168,73 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"json: {args.out}")
     return 0 if "error" not in result["server"] else 1
+
+
+def convert_main(argv: list[str] | None = None) -> int:
+    """Conversion throughput and peak memory on a synthetic checkpoint with 27B-class layers."""
+    from ternary_serve import synthetic
+
+    ap = argparse.ArgumentParser(
+        prog="ternary-serve bench-convert", description=convert_main.__doc__
+    )
+    ap.add_argument("--image", required=True, help="the model-init image, e.g. from make release")
+    ap.add_argument("--profile", choices=sorted(synthetic.PROFILES), default="27b")
+    ap.add_argument("--layers", type=int, default=4, help="layers of the profile's shape to write")
+    ap.add_argument(
+        "--vocab", type=int, default=151936, help="embedding rows (default: a Qwen-size vocabulary)"
+    )
+    ap.add_argument("--workdir", type=Path, default=Path("/var/tmp/ternary-serve-convert-bench"))
+    ap.add_argument("--out", type=Path, default=Path("convert-bench.json"))
+    args = ap.parse_args(argv)
+
+    checkpoint = args.workdir / f"{args.profile}-{args.layers}l-v{args.vocab}"
+    if not (checkpoint / "config.json").is_file():
+        print(f"bench-convert: writing {checkpoint}", flush=True)
+        synthetic.write_checkpoint(
+            checkpoint, args.profile, n_layer=args.layers, n_vocab=args.vocab
+        )
+    out = args.workdir / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    cmd = [
+        "docker", "run", "--rm",
+        "-v", f"{checkpoint.resolve()}:/in:ro", "-v", f"{out.resolve()}:/out",
+        args.image, "convert", "/in", "/out/model.gguf", "--type", "Q2_0", "--backend", "cpu",
+    ]  # fmt: skip
+    print("+ " + " ".join(cmd), flush=True)
+    started = time.monotonic()
+    subprocess.run(cmd, check=True)
+    wall = time.monotonic() - started
+    manifest = json.loads((out / "model.gguf.manifest.json").read_text())
+
+    gb = manifest["input_bytes"] / 1e9
+    result = {
+        "machine": {"cpu_count": os.cpu_count(), "host": platform.node(), "gpu": gpu_name()},
+        "profile": args.profile,
+        "layers": args.layers,
+        "vocab": args.vocab,
+        "input_gb": round(gb, 3),
+        "output_gb": round(manifest["bytes"] / 1e9, 3),
+        "steps": manifest["steps"],
+        "convert_seconds": manifest["seconds"],
+        "wall_seconds": round(wall, 1),
+        "engine": manifest["engine"],
+        "tools": manifest["tools"],
+    }
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"\n{args.layers} layers of {args.profile}: {gb:.2f} GB fp16 in, "
+        f"{result['output_gb']:.2f} GB Q2_0 out, {os.cpu_count()} CPUs"
+    )
+    print(f"{'step':<24} {'seconds':>8} {'GB/s in':>8} {'peak RSS MiB':>13}")
+    for step in manifest["steps"]:
+        print(
+            f"{step['tool']:<24} {step['seconds']:>8.1f} {gb / step['seconds']:>8.3f} "
+            f"{step['peak_rss_mib']:>13}"
+        )
+    print(
+        f"{'total (hash, verify too)':<24} {manifest['seconds']:>8.1f} "
+        f"{gb / manifest['seconds']:>8.3f}"
+    )
+    print(f"json: {args.out}")
+    return 0

@@ -15,10 +15,12 @@ COMMANDS = {
     ),
     "smoke": ("smoke", "smoke test a running server"),
     "fetch": ("fetch", "download a GGUF (resumable, checksummed, verified) into place"),
-    "model-init": ("fetch:init_main", "fetch the configured model if given, then verify it"),
+    "model-init": ("fetch:init_main", "fetch or convert the configured model, then verify it"),
+    "convert": ("convert", "convert a checkpoint or GGUF to the deployable type (engine's tools)"),
     "verify": ("weights", "check a GGUF before serving it"),
     "synth": ("synthetic", "write a synthetic ternary Q2_0 model"),
     "bench": ("bench", "benchmark an engine build: llama-bench, then llama-server + smoke"),
+    "bench-convert": ("bench:convert_main", "conversion throughput and peak memory, 27B-class"),
 }
 
 

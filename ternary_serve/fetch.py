@@ -431,15 +431,25 @@ def require_server_can_read(path: Path) -> None:
 
 
 def init_main(argv: list[str] | None = None) -> int:
-    """Compose's model-init: fetch the configured model if a source is given, then verify it."""
-    ap = parser("ternary-serve model-init", init_main.__doc__)
+    """Compose's model-init: bring the configured model into place if a source is given (fetch it,
+    or convert a checkpoint directory), then verify it."""
+    ap = parser("ternary-serve model-init", init_main.__doc__.splitlines()[0])
     ap.add_argument("target", type=Path, help="the model file the server will load")
-    ap.add_argument("--source", default="", help="where to fetch it from when it is not in place")
+    ap.add_argument(
+        "--source",
+        default="",
+        help="what to fetch (name, URL, hf://, file) or convert (a checkpoint directory)",
+    )
+    ap.add_argument("--type", default="Q2_0", help="what a checkpoint source is converted to")
     args = ap.parse_args(argv)
     args.sha256 = args.sha256 or None  # Compose passes unset variables as empty strings
 
     def init() -> None:
-        if args.source:
+        if args.source and Path(args.source).is_dir():
+            from ternary_serve.convert import convert
+
+            convert(Path(args.source), args.target, args.type, args.backend)
+        elif args.source:
             obtain(args.source, args.target, args)
         summary = verify(args.target, args.backend)
         require_server_can_read(args.target)

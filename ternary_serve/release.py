@@ -123,8 +123,13 @@ def previous_good(history: list[dict]) -> str | None:
 # --- images --------------------------------------------------------------------------------------
 
 
+def release_images(env: dict[str, str]) -> list[str]:
+    """The image repositories one release tag spans."""
+    return [env[key] for key in ("SERVER_IMAGE", "MODEL_INIT_IMAGE", "SMOKE_IMAGE")]
+
+
 def require_images(client: docker.DockerClient, env: dict[str, str], tag: str) -> None:
-    for repo in (env["SERVER_IMAGE"], env["SMOKE_IMAGE"]):
+    for repo in release_images(env):
         try:
             client.images.get(f"{repo}:{tag}")
         except docker.errors.ImageNotFound:
@@ -147,7 +152,7 @@ def prune(
     for tag in newest_first[keep:]:
         if tag in protected:
             continue
-        for repo in (env["SERVER_IMAGE"], env["SMOKE_IMAGE"]):
+        for repo in release_images(env):
             with contextlib.suppress(docker.errors.ImageNotFound):
                 client.images.remove(f"{repo}:{tag}")
         removed.append(tag)

@@ -1,13 +1,16 @@
-"""Synthetic ternary models: llama-architecture GGUFs whose linear weights are exactly ternary Q2_0.
+"""Synthetic ternary models: llama-architecture GGUFs whose linear weights are exactly ternary Q2_0,
+and Hugging Face checkpoints of the same shapes for the conversion path.
 
-Used by the tests (a tiny model the real llama-server loads in a second) and by the GPU benchmark
-(a 27B-class model with the memory traffic of the real thing). Weights are random ternary values
+Used by the tests (a tiny model the real llama-server loads in a second) and by the benchmarks
+(27B-class shapes with the memory traffic of the real thing). Weights are random ternary values
 {-s, 0, +s} per 64-weight group, so Q2_0 packs them losslessly.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,10 +183,137 @@ def write_model(
     return path
 
 
+# Text for training the checkpoint's tokenizer: any deterministic English will do.
+TOKENIZER_TEXT = (
+    "the model serves ternary weights on a graphics card and answers every request quickly "
+    "while the operator reads the logs checks the health endpoint and rolls back a bad release"
+)
+
+
+def train_tokenizer(directory: Path, seed: int) -> int:
+    """A byte-fallback BPE SentencePiece tokenizer (tokenizer.model); returns its vocab size."""
+    import sentencepiece as spm
+
+    rng = np.random.default_rng(seed)
+    lines = [" ".join(rng.choice(TOKENIZER_TEXT.split(), size=12)) for _ in range(2000)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=384,
+        hard_vocab_limit=False,
+        byte_fallback=True,
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
+    (directory / "tokenizer.model").write_bytes(model.getvalue())
+    return spm.SentencePieceProcessor(model_proto=model.getvalue()).get_piece_size()
+
+
+def write_checkpoint(
+    directory: Path,
+    profile: str = "tiny",
+    seed: int = 0,
+    n_layer: int | None = None,
+    n_vocab: int | None = None,
+) -> Path:
+    """Write a Hugging Face Llama checkpoint (fp16 safetensors, one shard per layer, a trained
+    tokenizer) whose linear weights are exactly ternary per 64-weight group.
+
+    n_layer overrides the profile's depth (benchmarks use a few layers of the 27B shape); n_vocab
+    widens the embedding and output matrices to a real vocabulary's size (the converter pads the
+    token list to match). Memory stays at about one layer's weights.
+    """
+    from safetensors.numpy import save_file
+
+    shape = PROFILES[profile]
+    layers = n_layer or shape.n_layer
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    n_vocab = max(train_tokenizer(directory, seed), n_vocab or 0)
+    kv = shape.n_head_kv * shape.head_dim
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": shape.n_embd,
+        "intermediate_size": shape.n_ff,
+        "num_hidden_layers": layers,
+        "num_attention_heads": shape.n_head,
+        "num_key_value_heads": shape.n_head_kv,
+        "vocab_size": n_vocab,
+        "max_position_embeddings": shape.context_length,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"add_bos_token": True, "chat_template": CHAT_TEMPLATE}) + "\n"
+    )
+
+    def f16(array: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(array.astype(np.float16))
+
+    def ternary(rows: int, cols: int) -> np.ndarray:
+        return f16(ternary_matrix(rng, rows, cols))
+
+    shards = layers + 2
+    weight_map: dict[str, str] = {}
+
+    def save(index: int, tensors: dict[str, np.ndarray]) -> None:
+        name = f"model-{index:05d}-of-{shards:05d}.safetensors"
+        save_file(tensors, str(directory / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+
+    save(1, {"model.embed_tokens.weight": f16(rng.normal(0, 0.02, size=(n_vocab, shape.n_embd)))})
+    for i in range(layers):
+        prefix = f"model.layers.{i}"
+        save(
+            i + 2,
+            {
+                f"{prefix}.input_layernorm.weight": f16(np.ones(shape.n_embd)),
+                f"{prefix}.post_attention_layernorm.weight": f16(np.ones(shape.n_embd)),
+                f"{prefix}.self_attn.q_proj.weight": ternary(shape.n_embd, shape.n_embd),
+                f"{prefix}.self_attn.k_proj.weight": ternary(kv, shape.n_embd),
+                f"{prefix}.self_attn.v_proj.weight": ternary(kv, shape.n_embd),
+                f"{prefix}.self_attn.o_proj.weight": ternary(shape.n_embd, shape.n_embd),
+                f"{prefix}.mlp.gate_proj.weight": ternary(shape.n_ff, shape.n_embd),
+                f"{prefix}.mlp.up_proj.weight": ternary(shape.n_ff, shape.n_embd),
+                f"{prefix}.mlp.down_proj.weight": ternary(shape.n_embd, shape.n_ff),
+            },
+        )
+    save(
+        shards,
+        {
+            "model.norm.weight": f16(np.ones(shape.n_embd)),
+            "lm_head.weight": f16(rng.normal(0, 0.02, size=(n_vocab, shape.n_embd))),
+        },
+    )
+    index = {"metadata": {}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return directory
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ternary-serve synth", description=__doc__.splitlines()[0])
-    ap.add_argument("output", type=Path)
+    ap.add_argument("output", type=Path, help="a .gguf file, or a directory with --checkpoint")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="tiny")
+    ap.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="write a Hugging Face checkpoint (safetensors + tokenizer) instead of a GGUF",
+    )
+    ap.add_argument("--layers", type=int, help="with --checkpoint: override the profile's depth")
+    ap.add_argument("--vocab", type=int, help="with --checkpoint: embedding rows (e.g. 151936)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--share-layers",
@@ -192,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     shape = PROFILES[args.profile]
+    if args.checkpoint:
+        write_checkpoint(args.output, args.profile, args.seed, args.layers, args.vocab)
+        size = sum(p.stat().st_size for p in args.output.glob("*.safetensors"))
+        print(f"wrote {args.output} ({size / 2**30:.2f} GiB of safetensors)", flush=True)
+        return 0
     print(
         f"writing {args.output}: {args.profile}, {shape.linear_params() / 1e9:.2f}B ternary "
         f"linear weights as Q2_0",

@@ -6,6 +6,7 @@ Every refusal is one line that names the fix (raised as WeightsError).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -13,6 +14,11 @@ from pathlib import Path
 GGUF_MAGIC = b"GGUF"
 # Ternary types with CPU kernels only: with -ngl 99 their matmuls silently fall back to the CPU.
 CPU_ONLY_TYPES = {"TQ1_0", "TQ2_0"}
+
+
+# Early Prism "Q2_0" files packed 128-weight groups under type id 42: smaller than the official
+# 64-weight layout, so they read as truncated.
+LEGACY_Q2_0_HINT = "(or it is a pre-release group-128 Q2_0 file: get the model's Q2_0_g64 release)"
 
 
 class WeightsError(Exception):
@@ -57,8 +63,10 @@ WHAT_TO_DO = {
 }
 
 
-def verify(path: Path, backend: str) -> dict:
-    """Check that path is a complete GGUF whose tensor types the backend runs. Returns a summary."""
+def verify(path: Path, backend: str, expect: dict | None = None) -> dict:
+    """Check that path is a complete GGUF whose tensor types the backend runs, and, given expect
+    ({"architecture", "block_count", "embedding_length"}, any subset), the model's shape. Returns a
+    summary."""
     gguf = require_ternary_gguf()
     try:
         with path.open("rb") as fh:
@@ -88,8 +96,10 @@ def verify(path: Path, backend: str) -> dict:
                 f"{path} uses a tensor type this engine does not know ({exc}): Bonsai 2 "
                 "PTQ1_0/PQ2_0 files need the PrismML engine (ENGINE_REPO in versions.env)"
             ) from exc
+        # Data that does not fit its tensor's declared type and shape.
+        legacy = f" {LEGACY_Q2_0_HINT}" if "cannot reshape" in str(exc) else ""
         raise WeightsError(
-            f"{path} is truncated or corrupt ({exc}): fetch the model again"
+            f"{path} is truncated or corrupt ({exc}){legacy}: fetch the model again"
         ) from exc
     except (OSError, IndexError) as exc:
         raise WeightsError(
@@ -98,12 +108,13 @@ def verify(path: Path, backend: str) -> dict:
 
     size = path.stat().st_size
     end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    types = sorted({t.tensor_type.name for t in reader.tensors})
     if end > size:
+        legacy = f" {LEGACY_Q2_0_HINT}" if "Q2_0" in types else ""
         raise WeightsError(
-            f"{path} is truncated: tensor data needs {end} bytes, the file has {size}: "
+            f"{path} is truncated: tensor data needs {end} bytes, the file has {size}{legacy}: "
             "fetch the model again"
         )
-    types = sorted({t.tensor_type.name for t in reader.tensors})
     cpu_only = sorted(CPU_ONLY_TYPES.intersection(types))
     if backend == "cuda" and cpu_only:
         raise WeightsError(
@@ -114,6 +125,7 @@ def verify(path: Path, backend: str) -> dict:
     architecture = arch_field.contents() if arch_field is not None else None
     if not architecture:
         raise WeightsError(f"{path} has no general.architecture key: it is not a model GGUF")
+    check_shape(reader, path, architecture, expect or {})
     return {
         "path": str(path),
         "architecture": architecture,
@@ -124,15 +136,56 @@ def verify(path: Path, backend: str) -> dict:
     }
 
 
+def shape_from_config(config_file: Path) -> dict:
+    """Block count and embedding size from a Hugging Face config.json."""
+    try:
+        config = json.loads(config_file.read_text())
+        return {
+            "block_count": config["num_hidden_layers"],
+            "embedding_length": config["hidden_size"],
+        }
+    except (OSError, ValueError, KeyError) as exc:
+        raise WeightsError(
+            f"{config_file}: no model shape in it ({type(exc).__name__}: {exc}): give the "
+            "checkpoint's config.json"
+        ) from exc
+
+
+def check_shape(reader, path: Path, architecture: str, expect: dict) -> None:
+    """The model's architecture, block count and embedding size against what was expected."""
+    if expect.get("architecture") not in (None, architecture):
+        raise WeightsError(
+            f"{path} is a {architecture} model, expected {expect['architecture']}: "
+            "check MODEL_FILE / the source, or the catalog entry"
+        )
+    for key in ("block_count", "embedding_length"):
+        if key not in expect:
+            continue
+        field = reader.get_field(f"{architecture}.{key}")
+        found = field.contents() if field is not None else None
+        if found != expect[key]:
+            raise WeightsError(
+                f"{path} has {architecture}.{key} = {found}, expected {expect[key]} (from the "
+                "model's config.json): the file is from another model; convert or fetch again"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="ternary-serve verify", description="Check a GGUF before serving it."
     )
     ap.add_argument("model", type=Path)
     ap.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--architecture", help="expected general.architecture, e.g. llama")
+    ap.add_argument(
+        "--config", type=Path, help="the model's Hugging Face config.json: block count and width"
+    )
     args = ap.parse_args(argv)
+    expect = {"architecture": args.architecture} if args.architecture else {}
     try:
-        summary = verify(args.model, args.backend)
+        if args.config:
+            expect |= shape_from_config(args.config)
+        summary = verify(args.model, args.backend, expect)
     except WeightsError as exc:
         print(f"verify: {exc}", file=sys.stderr)
         return 1

@@ -5,11 +5,14 @@ Each step checks first and does nothing when its result is already there, so rer
   docker        Debian's docker.io engine (dockerd started here if it is not running), Compose v2
                 and buildx from trixie's docker-compose and docker-buildx packages
   base-images   stand-ins for the registry base images: a debootstrapped Debian rootfs imported as
-                local/debian:bookworm-test (the real builds use the nvidia/cuda images)
+                local/debian:bookworm-test (the real builds use the nvidia/cuda images), and a
+                Debian 13 image that boots systemd, local/debian:trixie-systemd, for Molecule
   engine-source mainline llama.cpp from the pinned llama-cpp-python sdist on PyPI
                 -> vendor/llama.cpp
+  wheels        the pinned PyTorch CPU wheel this machine keeps in /opt/wheels, linked into
+                docker/wheels/ for the convert image (PyTorch's own index is unreachable here)
 
-Usage: python3 tests/bootstrap.py [docker|base-images|engine-source|all]
+Usage: python3 tests/bootstrap.py [docker|base-images|engine-source|wheels|all]
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ DEBIAN_MIRROR = "http://deb.debian.org/debian"
 STAND_IN_IMAGE = "local/debian:bookworm-test"
 # python3-venv: the stand-in also replaces the python base of the smoke image.
 STAND_IN_PACKAGES = "python3,python3-venv,ca-certificates"
+# The Molecule test host: a Debian 13 "machine" that boots systemd in a container.
+SYSTEMD_IMAGE = "local/debian:trixie-systemd"
+SYSTEMD_PACKAGES = "systemd,systemd-sysv,dbus,sudo,python3,python3-apt,ca-certificates,iproute2"
 DOCKERD_LOG = Path("/var/log/dockerd-tests.log")
 # Parts of the sdist's llama.cpp tree no build or test reads (vocab fixtures, docs, media).
 # .git is a submodule pointer into the sdist author's checkout: dangling here.
@@ -97,26 +103,38 @@ def ensure_compose_and_buildx() -> None:
         sh("dpkg", "-i", *map(str, Path(tmp).glob("*.deb")))
 
 
-def ensure_base_images() -> None:
-    if ok("docker", "image", "inspect", STAND_IN_IMAGE):
+def debootstrap_image(image: str, suite: str, packages: str, *import_changes: str) -> None:
+    if ok("docker", "image", "inspect", image):
         return
     if not shutil.which("debootstrap"):
         apt_install("debootstrap")
-    say(f"debootstrapping {STAND_IN_IMAGE} (about a minute)")
+    say(f"debootstrapping {image} (about a minute)")
     with tempfile.TemporaryDirectory() as rootfs:
         sh(
             "debootstrap",
             "--variant=minbase",
-            f"--include={STAND_IN_PACKAGES}",
-            "bookworm",
+            f"--include={packages}",
+            suite,
             rootfs,
             DEBIAN_MIRROR,
             stdout=subprocess.DEVNULL,
         )
         tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
-        sh("docker", "import", "-", STAND_IN_IMAGE, stdin=tar.stdout)
+        changes = [arg for change in import_changes for arg in ("--change", change)]
+        sh("docker", "import", *changes, "-", image, stdin=tar.stdout)
         if tar.wait() != 0:
             sys.exit("error: packing the debootstrapped rootfs failed")
+
+
+def ensure_base_images() -> None:
+    debootstrap_image(STAND_IN_IMAGE, "bookworm", STAND_IN_PACKAGES)
+    debootstrap_image(
+        SYSTEMD_IMAGE,
+        "trixie",
+        SYSTEMD_PACKAGES,
+        'CMD ["/lib/systemd/systemd"]',
+        "ENV container=docker",
+    )
 
 
 def ensure_engine_source() -> None:
@@ -155,10 +173,30 @@ def ensure_engine_source() -> None:
         staging.rename(dest)  # atomic: a half-extracted tree never sits at vendor/llama.cpp
 
 
+LOCAL_WHEELS = Path("/opt/wheels")
+
+
+def ensure_wheels() -> None:
+    version = load_versions()["TORCH_VERSION"]
+    wheelhouse = ROOT / "docker" / "wheels"
+    if list(wheelhouse.glob(f"torch-{version}-*.whl")):
+        return
+    found = sorted(LOCAL_WHEELS.glob(f"torch-{version}-*.whl"))
+    if not found:
+        say(f"no torch {version} wheel in {LOCAL_WHEELS}: the convert image uses TORCH_INDEX_URL")
+        return
+    say(f"linking {found[0].name} into docker/wheels/")
+    try:
+        os.link(found[0], wheelhouse / found[0].name)
+    except OSError:  # another filesystem
+        shutil.copy2(found[0], wheelhouse / found[0].name)
+
+
 STEPS = {
     "docker": (ensure_dockerd, ensure_compose_and_buildx),
     "base-images": (ensure_dockerd, ensure_base_images),
     "engine-source": (ensure_engine_source,),
+    "wheels": (ensure_wheels,),
 }
 
 

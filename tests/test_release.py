@@ -32,9 +32,10 @@ WAIT = 120
 
 @pytest.fixture(scope="module")
 def tags(built):
-    """Release tags v1..v4 of both images; v3's server refuses to start."""
+    """Release tags v1..v4 of the release's images; v3's server refuses to start."""
     client = docker.from_env()
-    server, smoke = built.env["SERVER_IMAGE"], built.env["SMOKE_IMAGE"]
+    server = built.env["SERVER_IMAGE"]
+    others = [repo for repo in release.release_images(built.env) if repo != server]
     base = built.env["IMAGE_TAG"]
     made = {}
     for name in ("v1", "v2", "v3", "v4"):
@@ -45,11 +46,12 @@ def tags(built):
             f"ENTRYPOINT {json.dumps(['/usr/local/bin/llama-server', *args])}\n"
         )
         client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=f"{server}:{tag}", rm=True)
-        client.images.get(f"{smoke}:{base}").tag(smoke, tag)
+        for repo in others:
+            client.images.get(f"{repo}:{base}").tag(repo, tag)
         made[name] = tag
     yield made
     for tag in made.values():
-        for repo in (server, smoke):
+        for repo in release.release_images(built.env):
             with contextlib.suppress(docker.errors.ImageNotFound):
                 client.images.remove(f"{repo}:{tag}")
 
@@ -222,12 +224,12 @@ def test_killed_deploy_leaves_a_consistent_state_and_the_next_deploy_succeeds(pr
 def test_retention_keeps_the_newest_and_never_the_live_or_previous(project, tags, built):
     stack, proj = project
     client = docker.from_env()
-    server, smoke = built.env["SERVER_IMAGE"], built.env["SMOKE_IMAGE"]
+    server = built.env["SERVER_IMAGE"]
     # Tags of its own, so pruning them leaves the shared release tags to the other tests.
     retained = {}
     for name in ("v1", "v2", "v4"):
         retained[name] = f"test-retain-{name}"
-        for repo in (server, smoke):
+        for repo in release.release_images(built.env):
             client.images.get(f"{repo}:{tags[name]}").tag(repo, retained[name])
     try:
         for name in ("v1", "v2", "v4"):
@@ -237,7 +239,7 @@ def test_retention_keeps_the_newest_and_never_the_live_or_previous(project, tags
         assert serving(stack) == "release-v4"
     finally:
         for tag in retained.values():
-            for repo in (server, smoke):
+            for repo in release.release_images(built.env):
                 with contextlib.suppress(docker.errors.ImageNotFound):
                     client.images.remove(f"{repo}:{tag}")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ternary_serve import weights
+from ternary_serve import convert, synthetic, weights
 from ternary_serve.weights import WeightsError, require_ternary_gguf
 
 
@@ -106,3 +106,113 @@ def test_cli_prints_one_line_and_fails(tmp_path, capsys):
     assert weights.main([str(tmp_path / "absent.gguf"), "--backend", "cpu"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("verify: ")
+
+
+@pytest.mark.parametrize(
+    "expect, message",
+    [
+        ({"architecture": "qwen3"}, "is a llama model, expected qwen3"),
+        ({"block_count": 3}, "llama.block_count = 2, expected 3"),
+        ({"embedding_length": 4096}, "llama.embedding_length = 128, expected 4096"),
+    ],
+)
+def test_shape_against_the_expected_model(tiny_model, expect, message):
+    with pytest.raises(WeightsError, match=message):
+        weights.verify(tiny_model, "cpu", expect)
+    shape = synthetic.PROFILES["tiny"]
+    right = {"architecture": "llama", "block_count": shape.n_layer, "embedding_length": 128}
+    assert weights.verify(tiny_model, "cpu", right)["architecture"] == "llama"
+
+
+def test_verify_cli_checks_against_config_json(tiny_model, tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_hidden_layers": 40, "hidden_size": 128}))
+    assert weights.main([str(tiny_model), "--backend", "cpu", "--config", str(config)]) == 1
+    assert "block_count = 2, expected 40" in capsys.readouterr().err
+
+
+def test_flipped_bytes_in_the_header_are_refused(tiny_model, tmp_path):
+    data = bytearray(tiny_model.read_bytes())
+    data[8:16] = b"\xff" * 8  # the tensor count
+    path = tmp_path / "flipped.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(WeightsError, match="truncated or corrupt"):
+        weights.verify(path, "cpu")
+
+
+def test_group_128_q2_0_file_gets_its_own_hint(tmp_path):
+    """Pre-release Prism "Q2_0" files packed 128 weights per group under type id 42."""
+    # One 4x256 tensor: the official layout has four 18-byte blocks per row, group 128 two 34-byte
+    # blocks, 16 bytes less in all; header and metadata are the same.
+    path = write_gguf_with(tmp_path / "old.gguf", "Q2_0", block_bytes=18, block_weights=64)
+    path.write_bytes(path.read_bytes()[:-16])
+    with pytest.raises(WeightsError, match="group-128 Q2_0 file: get the model's Q2_0_g64"):
+        weights.verify(path, "cpu")
+
+
+# --- inputs to convert: refused before any engine tool runs ---------------------------------------
+
+
+@pytest.fixture
+def checkpoint_copy(tmp_path) -> Path:
+    return synthetic.write_checkpoint(tmp_path / "ckpt", "tiny")
+
+
+def drop_key(ckpt: Path) -> None:
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["num_hidden_layers"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+
+def truncate_shard(ckpt: Path) -> None:
+    shard = sorted(ckpt.glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (drop_key, "lacks num_hidden_layers"),
+        (lambda c: (c / "config.json").unlink(), "has no config.json"),
+        (lambda c: (c / "config.json").write_text("{"), "is not valid JSON"),
+        (lambda c: (c / "tokenizer.model").unlink(), "has no tokenizer"),
+        (lambda c: [p.unlink() for p in c.glob("*.safetensors")], "no \\*.safetensors"),
+        (truncate_shard, "is truncated: its tensors need"),
+        (
+            lambda c: sorted(c.glob("*.safetensors"))[0].write_bytes(
+                b"\x10" + b"\x00" * 7 + b"{x" + b" " * 14
+            ),
+            "corrupt header",
+        ),
+    ],
+)
+def test_bad_checkpoints_are_refused_with_the_fix(checkpoint_copy, tmp_path, damage, message):
+    damage(checkpoint_copy)
+    with pytest.raises(WeightsError, match=message):
+        convert.convert(checkpoint_copy, tmp_path / "out.gguf", engine_dir=tmp_path / "no-engine")
+    assert not (tmp_path / "out.gguf").exists()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"\x8f\x13\x00\x42" * 16, "cannot be converted: its content is unknown"),
+        (b"<html>rate limited</html>", "its content is HTML"),
+        (b"\x10\x00\x00\x00\x00\x00\x00\x00{}" + b" " * 14, "one safetensors file"),
+    ],
+)
+def test_model_ptq_of_unknown_content_is_refused_by_convert(tmp_path, content, message):
+    source = tmp_path / "model.ptq"
+    source.write_bytes(content)
+    with pytest.raises(WeightsError, match=message):
+        convert.convert(source, tmp_path / "out.gguf", engine_dir=tmp_path / "no-engine")
+
+
+def test_gguf_cannot_be_widened(tiny_model, tmp_path):
+    with pytest.raises(WeightsError, match="already a GGUF: widening it to F16"):
+        convert.convert(tiny_model, tmp_path / "out.gguf", "F16", engine_dir=tmp_path)
+
+
+def test_convert_outside_the_image_names_the_fix(checkpoint_copy, tmp_path):
+    with pytest.raises(WeightsError, match="run convert in the convert image \\(make convert\\)"):
+        convert.convert(checkpoint_copy, tmp_path / "out.gguf", engine_dir=tmp_path / "none")
