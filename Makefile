@@ -126,4 +126,4 @@ lint: venv ## ruff, yamllint, hadolint, ansible-lint (production profile), playb
 		$(VENV)/bin/ansible-playbook -i ansible/inventory.example --syntax-check "$$playbook"; done
 
 test: bootstrap venv lint ## everything CI runs: lint, unit tests, the CPU stack end to end in Docker
-	$(PY) -m pytest -ra
+	$(PY) -m pytest -ra --durations=10
