@@ -31,7 +31,6 @@ def ansible_env(**extra: str) -> dict[str, str]:
     return {
         **os.environ,
         "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
-        "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"),
         "ANSIBLE_ROLES_PATH": str(ANSIBLE_DIR / "roles"),
         **extra,
     }
@@ -93,7 +92,7 @@ def test_a_broken_inventory_stops_the_run(tmp_path):
     inventory.write_text("[llm_servers\ngpu-box ansible_host=\n")
     result = playbook("-i", str(inventory), "site.yml")
     assert result.returncode != 0
-    assert "inventory" in (result.stdout + result.stderr).lower()
+    assert "unable to parse" in (result.stdout + result.stderr).lower()
 
 
 @pytest.fixture
@@ -182,5 +181,5 @@ def test_ubuntu_sources_and_packages_render_from_the_pins(tmp_path, local_invent
     assert rendered["cuda_packages"] == ["cuda-toolkit-" + pins["CUDA_VERSION"].replace(".", "-")]
     assert rendered["cuda_home"] == f"/usr/local/cuda-{pins['CUDA_VERSION']}"
     assert rendered["docker_repo"] == "https://download.docker.com/linux/ubuntu"
-    assert f"docker-ce={pins['DOCKER_VERSION']}*" in rendered["docker_packages"]
+    assert f"docker-ce=5:{pins['DOCKER_VERSION']}*" in rendered["docker_packages"]
     assert "docker-compose-plugin" in rendered["docker_packages"]
