@@ -17,6 +17,9 @@ MODEL_DIR ?= $(CURDIR)/models
 MODEL_FILE ?= model.gguf
 PUBLISH_ADDRESS ?= 127.0.0.1
 PUBLISH_PORT ?= 8080
+# The smoke test's quality gate: auto (the model's catalog entry; none for synthetic models), none,
+# or a gate name from models.yaml.
+QUALITY_GATE ?= auto
 # deploy/rollback: an image tag (make releases lists them); empty = the configured / previous one.
 TAG ?=
 # make model: a models.yaml name (MODEL=) or a source (SOURCE=https://…, hf://OWNER/REPO/FILE, a
@@ -63,6 +66,7 @@ config: venv ## write .env and state/llama-server.env from versions.env and temp
 	$(CLI) config --backend $(BACKEND) --engine-source $(ENGINE_SOURCE) \
 		--model-dir $(MODEL_DIR) --model-file $(MODEL_FILE) \
 		--model-source "$(or $(MODEL),$(SOURCE))" --model-sha256 "$(SHA256)" \
+		--quality-gate $(QUALITY_GATE) \
 		--publish-address $(PUBLISH_ADDRESS) --publish-port $(PUBLISH_PORT) $(BASE_IMAGE_FLAGS)
 
 model: venv ## fetch MODEL=<name in models.yaml> or SOURCE=... into MODEL_DIR/MODEL_FILE, verified

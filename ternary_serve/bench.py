@@ -178,7 +178,7 @@ def convert_main(argv: list[str] | None = None) -> int:
         prog="ternary-serve bench-convert", description=convert_main.__doc__
     )
     ap.add_argument("--image", required=True, help="the model-init image, e.g. from make release")
-    ap.add_argument("--profile", choices=sorted(synthetic.PROFILES), default="27b")
+    ap.add_argument("--profile", choices=synthetic.LLAMA_PROFILES, default="llama-27b")
     ap.add_argument("--layers", type=int, default=4, help="layers of the profile's shape to write")
     ap.add_argument(
         "--vocab", type=int, default=151936, help="embedding rows (default: a Qwen-size vocabulary)"

@@ -15,7 +15,7 @@ COMMANDS = {
     ),
     "smoke": ("smoke", "smoke test a running server"),
     "fetch": ("fetch", "download a GGUF (resumable, checksummed, verified) into place"),
-    "model-init": ("fetch:init_main", "fetch or convert the configured model, then verify it"),
+    "model-init": ("model_init", "fetch or convert the configured model, then verify it"),
     "convert": ("convert", "convert a checkpoint or GGUF to the deployable type (engine's tools)"),
     "verify": ("weights", "check a GGUF before serving it"),
     "synth": ("synthetic", "write a synthetic ternary Q2_0 model"),

@@ -27,8 +27,17 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
-from ternary_serve.fetch import check_disk, manifest_path, place, sha256_of
-from ternary_serve.weights import WeightsError, identify, shape_from_config, verify
+from ternary_serve.weights import (
+    WeightsError,
+    check_disk,
+    engine_family,
+    identify,
+    manifest_path,
+    place,
+    sha256_of,
+    shape_from_config,
+    verify,
+)
 
 # Where the convert image keeps the engine's tools (docker/Dockerfile, stage convert).
 ENGINE_DIR = Path(os.environ.get("TERNARY_SERVE_ENGINE_DIR", "/opt/engine"))
@@ -200,12 +209,15 @@ def convert(
                 f"{source} is already a GGUF: widening it to {qtype} gains nothing; convert "
                 "the original checkpoint instead"
             )
-        verify(source, "cpu")  # complete and readable; the target backend is checked on output
         expect, input_size = None, source.stat().st_size
     else:
         raise WeightsError(f"{source} not found: give a checkpoint directory or a GGUF file")
 
     engine = engine_info(engine_dir)
+    family = engine_family(engine.get("engine_repo") or "")
+    if kind == "gguf":  # complete and readable; the target backend is checked on the output
+        verify(source, "cpu", engine=family)
+
     previous = previous_manifest(output, qtype, engine["engine_commit"])
     unchanged = previous and previous.get("input_fingerprint") == fingerprint(source)
     input_sha256 = None if unchanged else input_digest(source)
@@ -259,7 +271,7 @@ def convert(
                 "llama-quantize",
             )
             steps.append(step)
-        summary = verify(result, backend, expect)
+        summary = verify(result, backend, expect, family)
         output_sha256 = sha256_of(result)
         place(result, output)
     finally:

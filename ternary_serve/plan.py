@@ -40,6 +40,9 @@ class Choices:
     model_source: str = ""
     model_sha256: str = ""
     model_type: str = "Q2_0"
+    # The smoke test's quality gate: auto (the model's catalog entry; none for synthetic models),
+    # none, or a gate name from models.yaml.
+    quality_gate: str = "auto"
     publish_address: str = "127.0.0.1"
     publish_port: int = 8080
     build_base_image: str | None = None
@@ -128,6 +131,7 @@ def compose_env(pins: dict[str, str], choices: Choices, server_env: Path) -> dic
         "MODEL_SOURCE": choices.model_source,
         "MODEL_SHA256": choices.model_sha256,
         "MODEL_TYPE": choices.model_type,
+        "QUALITY_GATE": choices.quality_gate,
         "SERVER_PORT": "8080",
         "PUBLISH_ADDRESS": choices.publish_address,
         "PUBLISH_PORT": str(choices.publish_port),
@@ -218,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         "--model-type",
         default=Choices.model_type,
         help="the type model-init converts a checkpoint source to (default Q2_0)",
+    )
+    ap.add_argument(
+        "--quality-gate",
+        default=Choices.quality_gate,
+        help="the smoke test's questions: auto (from the model), none, or a models.yaml gate",
     )
     ap.add_argument("--publish-address", default=Choices.publish_address)
     ap.add_argument("--publish-port", type=int, default=Choices.publish_port)

@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ HISTORY_FILE = "releases.jsonl"
 LOCK_FILE = "deploy.lock"
 KEEP_RELEASES = 5
 WAIT_TIMEOUT_S = 900
+COMPOSE_PREFIX = re.compile(r"^[\w.-]+\s+\| ")
 
 
 class ReleaseError(Exception):
@@ -188,9 +190,9 @@ def deploy_lock(project: Project):
 
 
 def last_line(result: subprocess.CompletedProcess) -> str:
-    """The line that says why, from a one-shot container's output."""
+    """The line that says why, from a one-shot container's output (less Compose's log prefix)."""
     lines = (result.stdout + result.stderr).strip().splitlines()
-    return lines[-1].split("|", 1)[-1].strip() if lines else "no output"
+    return COMPOSE_PREFIX.sub("", lines[-1]).strip() if lines else "no output"
 
 
 def bring_up(project: Project, tag: str, wait_timeout: int) -> str | None:

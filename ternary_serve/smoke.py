@@ -1,7 +1,8 @@
-"""Smoke test an OpenAI-compatible llama-server: health, model list, and streamed chat round trips.
+"""Smoke test an OpenAI-compatible llama-server: health, model list, streamed chat round trips, and
+a quality gate: questions with known answers, since a server that streams gibberish streams fine.
 
-Reports time to first token and decode tokens/s per prompt. Any failure prints one line saying
-which check failed and why, and the exit status is 1.
+Reports time to first token and decode tokens/s per prompt and each gate answer. Any failure
+prints one line saying which check failed and why, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import requests
+
+from ternary_serve.catalog import CATALOG_FILE, Catalog, Question, load_catalog
+
+# The gate for models the catalog does not name (a URL, a local file): most serve chat models.
+DEFAULT_GATE = "chat"
+GATE_MAX_TOKENS = 64
 
 PROMPTS = {
     # A CJK prompt exercises multi-byte tokenization and UTF-8 streaming.
@@ -155,8 +162,67 @@ def chat_round_trip(
     )
 
 
-def run(base: str, max_tokens: int, ignore_eos: bool, timeout: float) -> dict:
+def choose_gate(setting: str, model: Path | None, catalog: Catalog) -> tuple[tuple, str]:
+    """The questions to ask, and why those: QUALITY_GATE if set, else the model's catalog entry
+    (named in its manifest), else the default; none for a synthetic model, which says so."""
+    if setting != "auto":
+        if setting not in catalog.quality_gates:
+            known = ", ".join(["auto", *catalog.quality_gates])
+            raise SmokeFailure(f"quality gate {setting!r} is not defined: choose one of {known}")
+        return catalog.quality_gates[setting], f"QUALITY_GATE={setting}"
+    if model is not None:
+        from ternary_serve.weights import WeightsError, is_synthetic, manifest_path
+
+        try:
+            if is_synthetic(model):
+                return (), "synthetic model (random weights): it has no answers to check"
+        except WeightsError as exc:
+            raise SmokeFailure(f"quality gate: cannot read the served model: {exc}") from exc
+        manifest = manifest_path(model)
+        name = json.loads(manifest.read_text()).get("catalog_name") if manifest.is_file() else None
+        if name in catalog:
+            gate = catalog[name].quality_gate
+            return catalog.quality_gates[gate], f"catalog entry {name} ({gate})"
+    return catalog.quality_gates.get(DEFAULT_GATE, ()), f"default ({DEFAULT_GATE})"
+
+
+def ask(session: requests.Session, base: str, model: str, q: Question, timeout: float) -> dict:
+    """One gate question at temperature 0, thinking off; the answer must contain q.expect."""
+    what = f"quality[{q.name}]"
+    resp = session.post(
+        f"{base}/v1/chat/completions",
+        timeout=timeout,
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": q.prompt}],
+            "temperature": 0,
+            "max_tokens": GATE_MAX_TOKENS,
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+    )
+    body = _json(resp, what)
+    try:
+        message = body["choices"][0]["message"]
+        answer = message.get("content") or message.get("reasoning_content") or ""
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise SmokeFailure(f"{what}: HTTP {resp.status_code}, no message: {body}") from exc
+    if q.expect.casefold() not in answer.casefold():
+        raise SmokeFailure(
+            f"{what}: expected {q.expect!r} in the answer to {q.prompt!r}, got {answer[:120]!r}: "
+            "the model answers wrongly or in gibberish (a file packed for another engine?)"
+        )
+    return {"name": q.name, "expect": q.expect, "answer": answer.strip()[:120]}
+
+
+def run(
+    base: str,
+    max_tokens: int,
+    ignore_eos: bool,
+    timeout: float,
+    gate: tuple[tuple, str] = ((), "not asked"),
+) -> dict:
     base = base.rstrip("/")
+    questions, why = gate
     with requests.Session() as session:
         try:
             check_health(session, base, timeout)
@@ -167,9 +233,15 @@ def run(base: str, max_tokens: int, ignore_eos: bool, timeout: float) -> dict:
                 )
                 for name, prompt in PROMPTS.items()
             ]
+            answers = [ask(session, base, models[0], q, timeout) for q in questions]
         except requests.RequestException as exc:
             raise SmokeFailure(f"cannot reach {base}: {exc}") from exc
-    return {"url": base, "model": models[0], "round_trips": [asdict(t) for t in trips]}
+    return {
+        "url": base,
+        "model": models[0],
+        "round_trips": [asdict(t) for t in trips],
+        "quality": {"gate": why, "answers": answers},
+    }
 
 
 def format_report(report: dict) -> str:
@@ -183,6 +255,11 @@ def format_report(report: dict) -> str:
             f"{t['prompt']:<8} {t['completion_tokens']:>6} {t['ttft_s'] * 1000:>9.1f} "
             f"{decode:>13} {t['finish_reason']}"
         )
+    quality = report["quality"]
+    if not quality["answers"]:
+        lines.append(f"quality: skipped: {quality['gate']}")
+    for a in quality["answers"]:
+        lines.append(f"quality[{a['name']}]: ok ({a['expect']!r} in {a['answer']!r})")
     return "\n".join(lines)
 
 
@@ -197,9 +274,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     ap.add_argument("--json", type=Path, help="also write the report here")
+    ap.add_argument("--model", type=Path, help="the served model file: it picks the quality gate")
+    ap.add_argument(
+        "--quality-gate",
+        default="auto",
+        help="auto (the model's catalog entry, none for synthetic models), none, or a gate name "
+        "from the catalog",
+    )
+    ap.add_argument("--catalog", type=Path, default=CATALOG_FILE)
     args = ap.parse_args(argv)
     try:
-        report = run(args.url, args.max_tokens, args.ignore_eos, args.timeout)
+        gate = choose_gate(args.quality_gate, args.model, load_catalog(args.catalog))
+        report = run(args.url, args.max_tokens, args.ignore_eos, args.timeout, gate)
     except SmokeFailure as exc:
         print(f"smoke: FAIL: {exc}", file=sys.stderr)
         return 1

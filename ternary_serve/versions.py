@@ -6,6 +6,8 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 VERSIONS_FILE = PROJECT_ROOT / "versions.env"
+# Written by `ternary-serve config`: the stack as configured on this host.
+ENV_FILE = PROJECT_ROOT / ".env"
 
 
 def load_versions(path: Path = VERSIONS_FILE) -> dict[str, str]:
@@ -20,3 +22,9 @@ def load_versions(path: Path = VERSIONS_FILE) -> dict[str, str]:
             raise ValueError(f"{path}:{number}: expected KEY=value, got {raw!r}")
         pins[key] = value
     return pins
+
+
+def configured_engine_repo(env_file: Path = ENV_FILE) -> str:
+    """The engine the stack is configured for: .env's if written, else the pinned default."""
+    configured = load_versions(env_file) if env_file.is_file() else {}
+    return configured.get("ENGINE_REPO") or load_versions()["ENGINE_REPO"]

@@ -1,17 +1,28 @@
-"""Model file checks: refuse a GGUF the server cannot load or would run badly, before it starts.
+"""Model files: check a GGUF before the server loads it, hash it, and put it in place atomically.
 
-Every refusal is one line that names the fix (raised as WeightsError).
+A file is judged with the configured engine's knowledge: the PrismML fork's private tensor types
+(PQ2_0, PTQ1_0) are read structurally from their block layouts, since no gguf-py knows them, and
+are refused only where the engine is mainline. Every refusal is one line that names the fix
+(raised as WeightsError).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from ternary_serve.versions import configured_engine_repo
+
 GGUF_MAGIC = b"GGUF"
+CHUNK = 8 * 2**20
+# Room left free on the disk beyond the file itself (logs, the server's temporary files).
+DISK_MARGIN = 2 * 2**30
 # Ternary types with CPU kernels only: with -ngl 99 their matmuls silently fall back to the CPU.
 CPU_ONLY_TYPES = {"TQ1_0", "TQ2_0"}
 
@@ -21,8 +32,70 @@ CPU_ONLY_TYPES = {"TQ1_0", "TQ2_0"}
 LEGACY_Q2_0_HINT = "(or it is a pre-release group-128 Q2_0 file: get the model's Q2_0_g64 release)"
 
 
+# Written into every synthetic model (ternary-serve synth): its weights are random, so the smoke
+# test's quality gate, which asks questions with known answers, is skipped for it, visibly.
+SYNTHETIC_MARKER = "ternary_serve.synthetic"
+
+
+@dataclass(frozen=True)
+class TypeLayout:
+    """A ggml tensor type as the engine lays it out: `block_size` weights in `type_size` bytes."""
+
+    name: str
+    block_size: int
+    type_size: int
+
+
+# Types only the PrismML fork knows (its ggml.h: GGML_TYPE_PQ2_0 = 142, GGML_TYPE_PTQ1_0 = 143;
+# block layouts from its ggml-common.h). Neither mainline's gguf-py nor the fork's own knows them.
+# PQ2_0: fp16 d, then qs[32]: weight j = (((qs[j/4] >> 2*(j%4)) & 3) - 1) * d.
+# PTQ1_0: qs[24] and qh[2] of base-3 digits, then fp16 d.
+FORK_TYPES = {
+    142: TypeLayout("PQ2_0", 128, 34),
+    143: TypeLayout("PTQ1_0", 128, 28),
+}
+# What each engine knows beyond gguf-py's own GGMLQuantizationType.
+ENGINES = {"prismml": FORK_TYPES, "mainline": {}}
+
+
+def engine_family(engine_repo: str) -> str:
+    """The engine an ENGINE_REPO builds: the PrismML fork, or mainline llama.cpp."""
+    return "prismml" if "prismml" in engine_repo.lower() else "mainline"
+
+
 class WeightsError(Exception):
     """A model file the stack must not serve; the message says what to do."""
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_disk(directory: Path, needed: int) -> None:
+    free = shutil.disk_usage(directory).free
+    if free < needed + DISK_MARGIN:
+        raise WeightsError(
+            f"{directory} has {free / 2**30:.1f} GiB free, the download needs "
+            f"{(needed + DISK_MARGIN) / 2**30:.1f} GiB: free space there or set MODEL_DIR elsewhere"
+        )
+
+
+def place(partial: Path, target: Path) -> None:
+    """Rename into place and make the rename durable."""
+    os.replace(partial, target)
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def manifest_path(target: Path) -> Path:
+    return target.with_name(target.name + ".manifest.json")
 
 
 def require_ternary_gguf():
@@ -35,6 +108,80 @@ def require_ternary_gguf():
             "install the engine's copy (pip install vendor/llama.cpp/gguf-py)"
         )
     return gguf
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One row of a GGUF's tensor table, whatever the tensor's type."""
+
+    name: str
+    type_name: str
+    n_elements: int
+    n_bytes: int
+    data_offset: int
+
+
+class UnknownTensorType(ValueError):
+    def __init__(self, tensor: str, type_id: int):
+        super().__init__(f"tensor {tensor} has ggml type id {type_id}")
+        self.tensor, self.type_id = tensor, type_id
+
+
+def engine_reader(gguf, extra_types: dict[int, TypeLayout]):
+    """gguf-py's GGUFReader, taught the engine's extra tensor types: their tensors are sized from
+    the block layout (no data view), the rest are read by gguf-py as usual."""
+
+    class EngineReader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            known = set(gguf.GGMLQuantizationType)
+            ours, extra = [], []
+            for field in fields:
+                (ours if int(field.parts[4][0]) in known else extra).append(field)
+            super()._build_tensors(start_offs, ours)
+            self.extra_tensors = []
+            for field in extra:
+                name = bytes(field.parts[1]).decode("utf-8", "replace")
+                type_id = int(field.parts[4][0])
+                layout = extra_types.get(type_id)
+                if layout is None:
+                    raise UnknownTensorType(name, type_id)
+                n_elements = 1
+                for dim in field.parts[3].tolist():
+                    n_elements *= int(dim)
+                if int(field.parts[3][0]) % layout.block_size:
+                    raise ValueError(
+                        f"tensor {name}: rows of {int(field.parts[3][0])} weights do not fill "
+                        f"{layout.name} blocks of {layout.block_size}"
+                    )
+                self.extra_tensors.append(
+                    TensorEntry(
+                        name,
+                        layout.name,
+                        n_elements,
+                        n_elements // layout.block_size * layout.type_size,
+                        int(start_offs + field.parts[5][0]),
+                    )
+                )
+
+    return EngineReader
+
+
+def is_synthetic(path: Path) -> bool:
+    """Whether the model says it is synthetic (SYNTHETIC_MARKER); files of any engine are read."""
+    try:
+        reader = engine_reader(require_ternary_gguf(), FORK_TYPES)(path)
+    except (OSError, ValueError, IndexError) as exc:
+        raise WeightsError(f"{path} cannot be read ({exc}): check MODEL_FILE") from exc
+    marker = reader.get_field(SYNTHETIC_MARKER)
+    return bool(marker is not None and marker.contents())
+
+
+def tensor_table(reader) -> list[TensorEntry]:
+    table = [
+        TensorEntry(t.name, t.tensor_type.name, int(t.n_elements), int(t.n_bytes), t.data_offset)
+        for t in reader.tensors
+    ]
+    return sorted(table + reader.extra_tensors, key=lambda t: t.data_offset)
 
 
 def identify(head: bytes) -> str:
@@ -63,10 +210,10 @@ WHAT_TO_DO = {
 }
 
 
-def verify(path: Path, backend: str, expect: dict | None = None) -> dict:
-    """Check that path is a complete GGUF whose tensor types the backend runs, and, given expect
-    ({"architecture", "block_count", "embedding_length"}, any subset), the model's shape. Returns a
-    summary."""
+def verify(path: Path, backend: str, expect: dict | None = None, engine: str = "mainline") -> dict:
+    """Check that path is a complete GGUF whose tensor types `engine` (ENGINES) knows and the
+    backend runs, and, given expect ({"architecture", "block_count", "embedding_length"}, any
+    subset), the model's shape. Returns a summary."""
     gguf = require_ternary_gguf()
     try:
         with path.open("rb") as fh:
@@ -89,13 +236,20 @@ def verify(path: Path, backend: str, expect: dict | None = None) -> dict:
         fix = WHAT_TO_DO.get(kind, "fetch the model again")
         raise WeightsError(f"{path} is not a GGUF file: its content is {kind}: {fix}")
     try:
-        reader = gguf.GGUFReader(path)
-    except ValueError as exc:
-        if "GGMLQuantizationType" in str(exc):
+        reader = engine_reader(gguf, ENGINES[engine])(path)
+    except UnknownTensorType as exc:
+        other = [name for name, types in ENGINES.items() if exc.type_id in types]
+        if other:
             raise WeightsError(
-                f"{path} uses a tensor type this engine does not know ({exc}): Bonsai 2 "
-                "PTQ1_0/PQ2_0 files need the PrismML engine (ENGINE_REPO in versions.env)"
+                f"{path} uses {ENGINES[other[0]][exc.type_id].name} tensors ({exc}), which only "
+                f"the {other[0]} engine runs, and the configured engine is {engine}: "
+                "Bonsai 2 PTQ1_0/PQ2_0 files need the PrismML engine (ENGINE_REPO in versions.env)"
             ) from exc
+        raise WeightsError(
+            f"{path} uses a tensor type the {engine} engine does not know ({exc}): "
+            "use a packing this engine runs, or fetch the model again if the file is damaged"
+        ) from exc
+    except ValueError as exc:
         # Data that does not fit its tensor's declared type and shape.
         legacy = f" {LEGACY_Q2_0_HINT}" if "cannot reshape" in str(exc) else ""
         raise WeightsError(
@@ -107,14 +261,9 @@ def verify(path: Path, backend: str, expect: dict | None = None) -> dict:
         ) from exc
 
     size = path.stat().st_size
-    end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
-    types = sorted({t.tensor_type.name for t in reader.tensors})
-    if end > size:
-        legacy = f" {LEGACY_Q2_0_HINT}" if "Q2_0" in types else ""
-        raise WeightsError(
-            f"{path} is truncated: tensor data needs {end} bytes, the file has {size}{legacy}: "
-            "fetch the model again"
-        )
+    table = tensor_table(reader)
+    types = sorted({t.type_name for t in table})
+    check_extents(path, table, size, int(reader.alignment), types)
     cpu_only = sorted(CPU_ONLY_TYPES.intersection(types))
     if backend == "cuda" and cpu_only:
         raise WeightsError(
@@ -130,10 +279,30 @@ def verify(path: Path, backend: str, expect: dict | None = None) -> dict:
         "path": str(path),
         "architecture": architecture,
         "tensor_types": types,
-        "tensors": len(reader.tensors),
+        "tensors": len(table),
         "bytes": size,
         "backend": backend,
+        "engine": engine,
     }
+
+
+def check_extents(path: Path, table: list[TensorEntry], size: int, alignment: int, types) -> None:
+    """Every tensor's data starts aligned, after the one before it, and ends inside the file."""
+    end = 0
+    for tensor in table:
+        if tensor.data_offset % alignment or tensor.data_offset < end:
+            where = "unaligned" if tensor.data_offset % alignment else "inside the tensor before"
+            raise WeightsError(
+                f"{path} is corrupt: tensor {tensor.name}'s data starts at {tensor.data_offset}, "
+                f"{where}: fetch the model again"
+            )
+        end = tensor.data_offset + tensor.n_bytes
+    if end > size:
+        legacy = f" {LEGACY_Q2_0_HINT}" if "Q2_0" in types else ""
+        raise WeightsError(
+            f"{path} is truncated: tensor data needs {end} bytes, the file has {size}{legacy}: "
+            "fetch the model again"
+        )
 
 
 def shape_from_config(config_file: Path) -> dict:
@@ -180,12 +349,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--config", type=Path, help="the model's Hugging Face config.json: block count and width"
     )
+    ap.add_argument(
+        "--engine-repo", help="judge with this engine's types (default: the configured engine)"
+    )
     args = ap.parse_args(argv)
     expect = {"architecture": args.architecture} if args.architecture else {}
+    engine = engine_family(args.engine_repo or configured_engine_repo())
     try:
         if args.config:
             expect |= shape_from_config(args.config)
-        summary = verify(args.model, args.backend, expect)
+        summary = verify(args.model, args.backend, expect, engine)
     except WeightsError as exc:
         print(f"verify: {exc}", file=sys.stderr)
         return 1

@@ -15,7 +15,8 @@ from ternary_serve import synthetic
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    """A llama GGUF with Q2_0 ternary linear weights, written by the project's own generator."""
+    """A qwen35 GGUF (Bonsai 2's hybrid DeltaNet/attention architecture, scaled down) with Q2_0
+    ternary weight matrices, written by the project's own generator."""
     path = tmp_path_factory.mktemp("models") / "tiny-ternary.gguf"
     return synthetic.write_model(path, "tiny", seed=0)
 

@@ -47,7 +47,9 @@ def unpack_q2_0(raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> Path:
-    directory = synthetic.write_checkpoint(tmp_path_factory.mktemp("hf") / "tiny-llama", "tiny")
+    directory = synthetic.write_checkpoint(
+        tmp_path_factory.mktemp("hf") / "tiny-llama", "llama-tiny"
+    )
     readable_by_containers(directory / "config.json")
     return directory
 
@@ -98,7 +100,7 @@ def test_q2_0_tensors_dequantize_to_exactly_the_source_values(converted, checkpo
     q2 = {t.name: t for t in gguf.GGUFReader(converted["Q2_0"]).tensors}
     f16 = {t.name: t for t in gguf.GGUFReader(converted["F16"]).tensors}
     packed = [name for name, t in q2.items() if t.tensor_type.name == "Q2_0"]
-    n_layer = synthetic.PROFILES["tiny"].n_layer
+    n_layer = synthetic.PROFILES["llama-tiny"].n_layer
     assert len(packed) == 7 * n_layer, sorted(q2)
     for name in packed:
         rows, cols = int(q2[name].shape[1]), int(q2[name].shape[0])

@@ -8,12 +8,17 @@ import json
 import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import requests
 
-from ternary_serve import fetch
-from ternary_serve.weights import WeightsError
+from ternary_serve import fetch, synthetic
+from ternary_serve.catalog import check_engine, load_catalog
+from ternary_serve.weights import WeightsError, check_disk
+
+MAINLINE = "https://github.com/ggml-org/llama.cpp"
+FORK = "https://github.com/PrismML-Eng/llama.cpp"
 
 
 class FileServer:
@@ -81,6 +86,13 @@ def served(tiny_model):
     yield start
     for server in servers:
         server.close()
+
+
+@pytest.fixture(scope="module")
+def fork_file(tmp_path_factory):
+    """The stand-in for Bonsai 2's PQ2_0 file: the tiny qwen35 model, linear tensors typed 142."""
+    path = tmp_path_factory.mktemp("fork") / "bonsai-standin-PQ2_0.gguf"
+    return synthetic.write_fork_packed(path, "PQ2_0")
 
 
 def sha(data: bytes) -> str:
@@ -171,7 +183,7 @@ def test_local_path_source_and_http_error(served, tiny_model, tmp_path):
 
 def test_too_little_disk_names_the_fix(tmp_path):
     with pytest.raises(WeightsError, match="free space there or set MODEL_DIR"):
-        fetch.check_disk(tmp_path, 2**60)
+        check_disk(tmp_path, 2**60)
 
 
 def test_cli_reports_one_line(tmp_path, capsys):
@@ -183,48 +195,104 @@ def test_cli_reports_one_line(tmp_path, capsys):
 # --- the catalog ---------------------------------------------------------------------------------
 
 
-def test_shipped_catalog_is_valid_and_names_the_engines():
-    catalog = fetch.load_catalog()
-    assert {"bonsai-2-27b-ptq1_0", "bonsai-2-27b-pq2_0", "bonsai-8b-q2_0"} <= catalog.keys()
-    assert catalog["bonsai-2-27b-pq2_0"].engine == "prismml"
+def test_shipped_catalog_pins_the_real_bonsai_2_files():
+    catalog = load_catalog()
+    pq2 = catalog["bonsai-2-27b-pq2_0"]
+    assert pq2.source == ("hf://prism-ml/Ternary-Bonsai-2-27B-gguf/Ternary-Bonsai-2-27B-PQ2_0.gguf")
+    assert (pq2.engine, pq2.size_bytes) == ("prismml", 7_206_168_928)
+    assert pq2.sha256 == "3907dc1658db1f78a9826bf8d5bcb8dc65db0d466388937af57f2294fae62ec1"
+    ptq1 = catalog["bonsai-2-27b-ptq1_0"]
+    assert ptq1.source.endswith("/Ternary-Bonsai-2-27B-PTQ1_0.gguf")
+    assert (ptq1.engine, ptq1.size_bytes) == ("prismml", 5_946_648_928)
+    assert ptq1.sha256 == "53107f530aa52eb00912263ab1ee29bd199261c87cd7b4ad4ca1318c1fe33ee3"
     assert catalog["bonsai-8b-q2_0"].source.endswith("Ternary-Bonsai-8B-Q2_0_g64.gguf")
-
-
-@pytest.mark.parametrize(
-    "packing, expected",
-    [("PQ2_0", "Ternary-Bonsai-2-27B-PQ2_0.gguf"), ("PTQ1_0", "Ternary-Bonsai-2-27B-PTQ1_0.gguf")],
-)
-def test_packing_picks_exactly_its_file(packing, expected):
-    files = [
-        "README.md",
-        "Ternary-Bonsai-2-27B-PTQ1_0.gguf",
-        "Ternary-Bonsai-2-27B-PQ2_0.gguf",
-        "mmproj-Ternary-Bonsai-2-27B-PQ2_0.gguf",
-        "Ternary-Bonsai-2-27B-F16.gguf",
-    ]
-    assert fetch.pick_file(files, packing) == expected
-
-
-def test_packing_that_is_missing_or_ambiguous_names_the_fix():
-    with pytest.raises(WeightsError, match="found none.*hf://OWNER/REPO/FILE"):
-        fetch.pick_file(["a-Q2_0_g64.gguf"], "PQ2_0")
-    with pytest.raises(WeightsError, match="found a-PQ2_0.gguf, b-PQ2_0.gguf"):
-        fetch.pick_file(["a-PQ2_0.gguf", "b-PQ2_0.gguf"], "PQ2_0")
+    for entry in catalog.models.values():
+        assert catalog.quality_gates[entry.quality_gate], f"{entry.name} has an empty gate"
 
 
 def test_prismml_model_refused_for_a_mainline_engine():
-    entry = fetch.load_catalog()["bonsai-2-27b-pq2_0"]
+    entry = load_catalog()["bonsai-2-27b-pq2_0"]
     with pytest.raises(WeightsError, match="needs the PrismML engine"):
-        fetch.check_engine(entry, "https://github.com/ggml-org/llama.cpp")
-    fetch.check_engine(entry, "https://github.com/PrismML-Eng/llama.cpp")
+        check_engine(entry, MAINLINE)
+    check_engine(entry, FORK)
+
+
+def catalog_with(tmp_path, url: str, **pins) -> Path:
+    lines = [f"models:\n  tiny:\n    source: {url}\n    engine: prismml\n"]
+    lines += [f"    {key}: {json.dumps(value)}\n" for key, value in pins.items()]
+    path = tmp_path / "models.yaml"
+    path.write_text("".join(lines))
+    return path
+
+
+@pytest.mark.parametrize("wrong", ["bytes", "sha256"])
+def test_catalog_fetch_that_does_not_match_its_pins_leaves_nothing(fork_file, tmp_path, wrong):
+    payload = fork_file.read_bytes()
+    server = FileServer(payload)
+    pins = {"bytes": len(payload), "sha256": sha(payload)}
+    pins[wrong] = len(payload) + 1 if wrong == "bytes" else "0" * 64
+    catalog = load_catalog(catalog_with(tmp_path, server.url, **pins))
+    models = tmp_path / "models"
+    try:
+        with pytest.raises(WeightsError, match="the pin says|checksum mismatch"):
+            fetch.fetch_by_name("tiny", models / "m.gguf", "cuda", catalog, models / "l", FORK)
+    finally:
+        server.close()
+    assert leftovers(models) == []
+
+
+def test_catalog_digest_that_yaml_reads_as_a_number_is_refused(tmp_path):
+    path = tmp_path / "models.yaml"
+    path.write_text(
+        "models:\n  tiny:\n    source: x\n    engine: mainline\n    sha256: " + "0" * 64
+    )
+    with pytest.raises(WeightsError, match="64 hex digits in quotes"):
+        load_catalog(path)
+
+
+def test_fork_packed_file_is_kept_with_the_fork_and_refused_with_mainline(fork_file, tmp_path):
+    """Bonsai 2's packing (tensor types 142/143, unknown to every gguf-py) judged by the engine."""
+    payload = fork_file.read_bytes()
+    server = FileServer(payload)
+    try:
+        mainline = tmp_path / "mainline"
+        with pytest.raises(WeightsError, match="only the prismml engine runs.*PrismML engine"):
+            fetch.fetch(server.url, mainline / "m.gguf", None, "cuda", engine="mainline")
+        assert leftovers(mainline) == []
+
+        fork = tmp_path / "fork"
+        manifest = fetch.fetch(server.url, fork / "m.gguf", sha(payload), "cuda", engine="prismml")
+        assert leftovers(fork) == ["m.gguf", "m.gguf.manifest.json"]
+        assert (fork / "m.gguf").read_bytes() == payload
+        assert manifest["engine_checked"] == "prismml" and manifest["architecture"] == "qwen35"
+        assert "PQ2_0" in manifest["tensor_types"]
+    finally:
+        server.close()
+
+
+def test_a_pinned_download_the_engine_refuses_is_kept_and_not_fetched_again(fork_file, tmp_path):
+    """Engine misconfigured, right bytes: fixing the engine must not cost a second download."""
+    payload = fork_file.read_bytes()
+    server = FileServer(payload)
+    target = tmp_path / "m.gguf"
+    try:
+        with pytest.raises(WeightsError, match="kept as .*m.gguf.partial"):
+            fetch.fetch(server.url, target, sha(payload), "cuda", len(payload), engine="mainline")
+        assert leftovers(tmp_path) == ["m.gguf.partial"]
+        requests_before = len(server.range_headers)
+        fetch.fetch(server.url, target, sha(payload), "cuda", len(payload), engine="prismml")
+        assert len(server.range_headers) == requests_before
+        assert leftovers(tmp_path) == ["m.gguf", "m.gguf.manifest.json"]
+    finally:
+        server.close()
 
 
 def test_first_fetch_pins_the_lock_and_later_fetches_enforce_it(served, tiny_model, tmp_path):
     server = served()
     catalog_file = tmp_path / "models.yaml"
     catalog_file.write_text(f"models:\n  tiny:\n    source: {server.url}\n    engine: mainline\n")
-    catalog, lock = fetch.load_catalog(catalog_file), tmp_path / "models.lock.json"
-    engine = "https://github.com/ggml-org/llama.cpp"
+    catalog, lock = load_catalog(catalog_file), tmp_path / "models.lock.json"
+    engine = MAINLINE
     fetch.fetch_by_name("tiny", tmp_path / "a.gguf", "cpu", catalog, lock, engine)
     pinned = json.loads(lock.read_text())["tiny"]
     assert pinned["sha256"] == sha(tiny_model.read_bytes())

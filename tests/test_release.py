@@ -1,21 +1,25 @@
 """Releases on the real stack: deploy, automatic rollback, manual rollback, the lock, a killed
-deploy, unknown tags and retention. Which release is live is read over HTTP, not from our files.
+deploy, unknown tags, retention and the quality gate. Which release is live is read over HTTP, not
+from our files.
 
 Each release image is the built server image with `--alias release-vN` on its command line (a
 flag beats its LLAMA_ARG_ twin), so /v1/models names the release that answers. v3 is broken: an
 unknown flag makes llama-server exit at start, as a release with a bad server flag would.
+`standin-right` and `standin-wrong` replace llama-server with tests/standin_server.py (named as a
+stand-in there): no model that can answer questions runs here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import docker
 import pytest
@@ -24,36 +28,68 @@ from harness import configure
 
 from ternary_serve import release
 from ternary_serve.versions import PROJECT_ROOT
+from ternary_serve.weights import SYNTHETIC_MARKER
 
 pytestmark = pytest.mark.docker
 
 WAIT = 120
 
 
-@pytest.fixture(scope="module")
-def tags(built):
-    """Release tags v1..v4 of the release's images; v3's server refuses to start."""
-    client = docker.from_env()
+def release_whose_server_is(client, built, tag: str, context: Path, dockerfile: str) -> str:
+    """Tag `tag` on every release image: the server built from dockerfile, the rest as built."""
     server = built.env["SERVER_IMAGE"]
-    others = [repo for repo in release.release_images(built.env) if repo != server]
-    base = built.env["IMAGE_TAG"]
-    made = {}
-    for name in ("v1", "v2", "v3", "v4"):
-        tag = f"test-release-{name}"
-        args = ["--no-such-flag"] if name == "v3" else ["--alias", f"release-{name}"]
-        dockerfile = (
-            f"FROM {server}:{base}\n"
-            f"ENTRYPOINT {json.dumps(['/usr/local/bin/llama-server', *args])}\n"
-        )
-        client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=f"{server}:{tag}", rm=True)
-        for repo in others:
-            client.images.get(f"{repo}:{base}").tag(repo, tag)
-        made[name] = tag
-    yield made
-    for tag in made.values():
+    (context / "Dockerfile").write_text(f"FROM {server}:{built.env['IMAGE_TAG']}\n" + dockerfile)
+    client.images.build(path=str(context), tag=f"{server}:{tag}", rm=True)
+    for repo in release.release_images(built.env):
+        if repo != server:
+            client.images.get(f"{repo}:{built.env['IMAGE_TAG']}").tag(repo, tag)
+    return tag
+
+
+def remove_releases(client, built, tags) -> None:
+    for tag in tags:
         for repo in release.release_images(built.env):
             with contextlib.suppress(docker.errors.ImageNotFound):
                 client.images.remove(f"{repo}:{tag}")
+
+
+@pytest.fixture(scope="module")
+def tags(built, tmp_path_factory):
+    """Release tags v1..v4 of the release's images; v3's server refuses to start."""
+    client = docker.from_env()
+    made = {}
+    for name in ("v1", "v2", "v3", "v4"):
+        args = ["--no-such-flag"] if name == "v3" else ["--alias", f"release-{name}"]
+        entrypoint = json.dumps(["/usr/local/bin/llama-server", *args])
+        made[name] = release_whose_server_is(
+            client,
+            built,
+            f"test-release-{name}",
+            tmp_path_factory.mktemp(name),
+            f"ENTRYPOINT {entrypoint}\n",
+        )
+    yield made
+    remove_releases(client, built, made.values())
+
+
+@pytest.fixture(scope="module")
+def standin_tags(built, tmp_path_factory):
+    """Releases whose server is the stand-in: `right` answers the gate, `wrong` does not."""
+    client = docker.from_env()
+    made = {}
+    for mode in ("right", "wrong"):
+        context = tmp_path_factory.mktemp(mode)
+        shutil.copy(Path(__file__).with_name("standin_server.py"), context)
+        made[mode] = release_whose_server_is(
+            client,
+            built,
+            f"test-standin-{mode}",
+            context,
+            "COPY standin_server.py /opt/standin_server.py\n"
+            f'ENTRYPOINT ["python3", "/opt/standin_server.py", "{mode}"]\n',
+        )
+    yield made
+    remove_releases(client, built, made.values())
 
 
 @pytest.fixture
@@ -299,3 +335,38 @@ def test_ansible_playbooks_use_the_same_release_path(project, tags, tmp_path):
         proj, "rollback.yml", "-e", json.dumps({"release_tag": "not a tag!"}), inventory=inventory
     )
     assert bad.returncode != 0 and "release_tag (optional) a Docker image tag" in bad.stdout
+
+
+def test_quality_gate_keeps_gibberish_and_wrong_answers_from_staying_live(
+    standin_tags, tags, tiny_model, tmp_path
+):
+    """A deploy that streams fine but answers wrongly or in gibberish is rolled back.
+
+    The model is the tiny one with its synthetic marker removed, so the gate applies (the default
+    `chat` questions). The real llama-server on it streams random-weight gibberish, as stock
+    llama.cpp does on Bonsai 2's fork-packed file; the wrong-answer server is a stand-in.
+    """
+    model = tmp_path / "models" / "unmarked.gguf"
+    model.parent.mkdir()
+    editor = Path(sys.executable).with_name("gguf-new-metadata")
+    subprocess.run(
+        [editor, "--force", "--remove-metadata", SYNTHETIC_MARKER, tiny_model, model],
+        check=True,
+        capture_output=True,
+    )
+    stack = configure(tmp_path / "stack", model, "tr-quality-gate")
+    proj = release.Project(stack.workdir / ".env", stack.workdir)
+    try:
+        release.deploy(proj, standin_tags["right"], wait_timeout=WAIT)
+        assert serving(stack) == "standin-right"
+        for tag, check in ((tags["v1"], "capital-en"), (standin_tags["wrong"], "capital-en")):
+            with pytest.raises(release.ReleaseError) as failed:
+                release.deploy(proj, tag, wait_timeout=WAIT)
+            message = str(failed.value)
+            assert f"smoke test failed: smoke: FAIL: quality[{check}]: expected 'Paris'" in message
+            assert f"rolled back: {standin_tags['right']} is live" in message
+            assert serving(stack) == "standin-right"
+        statuses = [(r["tag"], r["status"]) for r in release.read_history(proj)]
+        assert (tags["v1"], "failed") in statuses and (standin_tags["wrong"], "failed") in statuses
+    finally:
+        stack.down()

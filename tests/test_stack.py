@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import shutil
 import subprocess
 import threading
@@ -74,9 +75,66 @@ def test_compose_up_serves_and_the_smoke_sidecar_passes(stack_for, tiny_model):
         assert requests.get(f"{stack.url}/health", timeout=10).json() == {"status": "ok"}
         metrics = requests.get(f"{stack.url}/metrics", timeout=10)  # the template turns it on
         assert metrics.status_code == 200 and "llamacpp:" in metrics.text
+        assert_every_flag_is_effective(stack)
+        assert_prompt_reuse_through_checkpoints(stack)
     finally:
         proc.terminate()
         proc.wait(timeout=120)
+
+
+def server_log_with(stack, *env: str) -> str:
+    """The stack's llama-server started once more beside the live one with extra LLAMA_ARG_
+    settings, until it listens; its log."""
+    extra = [arg for setting in env for arg in ("-e", setting)]
+    started = stack.compose("run", "-d", "--no-deps", *extra, "llama-server")
+    assert started.returncode == 0, started.stderr[-2000:]
+    container = started.stdout.strip().splitlines()[-1]
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            logs = subprocess.run(["docker", "logs", container], capture_output=True, text=True)
+            log = logs.stdout + logs.stderr
+            if "listening on" in log:
+                return log
+            time.sleep(0.5)
+        raise AssertionError(f"the extra server never listened:\n{log[-2000:]}")
+    finally:
+        subprocess.run(["docker", "rm", "-f", container], capture_output=True)
+
+
+def disabled_flags(log: str) -> list[str]:
+    return [line for line in log.splitlines() if re.search(r"not supported.*disabled", line)]
+
+
+def assert_every_flag_is_effective(stack) -> None:
+    """On the qwen35 hybrid llama-server turns off what it cannot do ("cache_reuse is not supported
+    by this context, it will be disabled"): no flag the template sets may be one of those. The
+    control, the same server with --cache-reuse, shows that the engine says so in this log."""
+    logs = stack.compose("logs", "--no-color", "llama-server").stdout
+    assert "listening on" in logs
+    assert not disabled_flags(logs), disabled_flags(logs)
+    assert disabled_flags(server_log_with(stack, "LLAMA_ARG_CACHE_REUSE=256"))
+
+
+def assert_prompt_reuse_through_checkpoints(stack) -> None:
+    """A follow-up turn reuses the conversation's prompt: on a hybrid model only a context
+    checkpoint (LLAMA_ARG_CTX_CHECKPOINTS) makes that possible."""
+    history = [
+        {"role": "system", "content": "You answer briefly. " * 40},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    first = requests.post(
+        f"{stack.url}/v1/chat/completions",
+        timeout=60,
+        json={"messages": history, "max_tokens": 8, "temperature": 0},
+    ).json()
+    history += [first["choices"][0]["message"], {"role": "user", "content": "Another one?"}]
+    second = requests.post(
+        f"{stack.url}/v1/chat/completions",
+        timeout=60,
+        json={"messages": history, "max_tokens": 8, "temperature": 0},
+    ).json()
+    assert second["timings"]["cache_n"] > 100, second["timings"]
 
 
 def test_make_style_deploy_reports_ttft_and_decode_rate(stack_for, tiny_model):
@@ -248,8 +306,8 @@ def test_our_q2_0_packing_is_byte_identical_to_llama_quantize(built, tmp_path):
         timeout=BUILD_TIMEOUT,
     )
     assert build.returncode == 0, build.stderr[-3000:]
-    synthetic.write_model(tmp_path / "ours.gguf", "tiny", seed=7)
-    synthetic.write_model(tmp_path / "f32.gguf", "tiny", seed=7, packed=False)
+    synthetic.write_model(tmp_path / "ours.gguf", "llama-tiny", seed=7)
+    synthetic.write_model(tmp_path / "f32.gguf", "llama-tiny", seed=7, packed=False)
     subprocess.run(
         [
             "docker",
@@ -269,7 +327,7 @@ def test_our_q2_0_packing_is_byte_identical_to_llama_quantize(built, tmp_path):
     ours = {t.name: t for t in gguf.GGUFReader(tmp_path / "ours.gguf").tensors}
     engine = {t.name: t for t in gguf.GGUFReader(tmp_path / "engine.gguf").tensors}
     packed = [name for name, t in ours.items() if t.tensor_type.name == "Q2_0"]
-    assert len(packed) == 7 * synthetic.PROFILES["tiny"].n_layer
+    assert len(packed) == 7 * synthetic.PROFILES["llama-tiny"].n_layer
     for name in packed:
         assert engine[name].tensor_type.name == "Q2_0", name
         np.testing.assert_array_equal(np.asarray(ours[name].data), np.asarray(engine[name].data))

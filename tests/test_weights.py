@@ -31,7 +31,7 @@ def write_gguf_with(path: Path, qtype_name: str, block_bytes: int, block_weights
 
 def test_synthetic_model_passes(tiny_model):
     summary = weights.verify(tiny_model, "cuda")
-    assert summary["architecture"] == "llama"
+    assert summary["architecture"] == "qwen35"
     assert "Q2_0" in summary["tensor_types"]
 
 
@@ -66,7 +66,7 @@ def test_model_ptq_is_judged_by_content(tiny_model, tmp_path, content, found, fi
     path = tmp_path / "model.ptq"
     path.write_bytes(tiny_model.read_bytes() if content is None else content)
     if fix is None:
-        assert weights.verify(path, "cuda")["architecture"] == "llama"
+        assert weights.verify(path, "cuda")["architecture"] == "qwen35"
         return
     with pytest.raises(WeightsError, match=f"its content is {found}.*{fix}"):
         weights.verify(path, "cuda")
@@ -88,18 +88,55 @@ def test_tq2_0_refused_on_cuda_but_allowed_on_cpu(tmp_path):
     assert weights.verify(path, "cpu")["tensor_types"] == ["TQ2_0"]
 
 
-def test_unknown_tensor_type_points_at_the_prismml_engine(tiny_model, tmp_path):
-    """A PTQ1_0/PQ2_0 tensor carries a type id mainline gguf-py does not know."""
-    data = bytearray(tiny_model.read_bytes())
-    name = b"blk.0.attn_q.weight"
+def retype_tensor(model: Path, out: Path, tensor: bytes, type_id: int) -> Path:
+    """A copy of model with one tensor's ggml type id changed in its tensor-table record."""
+    data = bytearray(model.read_bytes())
+    at = data.index(tensor) + len(tensor)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, type_id)
+    out.write_bytes(bytes(data))
+    return out
+
+
+def test_a_fork_type_on_mainline_points_at_the_prismml_engine(tiny_model, tmp_path):
+    path = retype_tensor(tiny_model, tmp_path / "b.gguf", b"blk.0.ffn_up.weight", 143)
+    with pytest.raises(WeightsError, match="PTQ1_0 tensors .* only the prismml engine runs"):
+        weights.verify(path, "cuda", engine="mainline")
+
+
+def test_a_type_no_engine_knows_is_refused_by_both(tiny_model, tmp_path):
+    path = retype_tensor(tiny_model, tmp_path / "x.gguf", b"blk.0.ffn_up.weight", 200)
+    for engine in weights.ENGINES:
+        with pytest.raises(WeightsError, match=f"the {engine} engine does not know.*id 200"):
+            weights.verify(path, "cuda", engine=engine)
+
+
+@pytest.mark.parametrize("packing", ["PQ2_0", "PTQ1_0"])
+def test_fork_packed_files_are_checked_structurally(tmp_path, packing):
+    """No gguf-py knows 142/143; the header, table, offsets and size are still checked."""
+    path = synthetic.write_fork_packed(tmp_path / f"m-{packing}.gguf", packing)
+    summary = weights.verify(path, "cuda", engine="prismml")
+    assert packing in summary["tensor_types"] and summary["architecture"] == "qwen35"
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(WeightsError, match="is truncated: tensor data needs"):
+        weights.verify(cut, "cuda", engine="prismml")
+
+
+def test_overlapping_tensor_data_is_refused(tmp_path):
+    """A tensor-table offset that points into the tensor before it (a corrupt table)."""
+    gguf = weights.require_ternary_gguf()
+    path = synthetic.write_fork_packed(tmp_path / "m.gguf", "PQ2_0")
+    reader = weights.engine_reader(gguf, weights.FORK_TYPES)(path)
+    first, second = weights.tensor_table(reader)[:2]
+    data = bytearray(path.read_bytes())
+    name = second.name.encode()
     at = data.index(name) + len(name)
     (n_dims,) = struct.unpack_from("<I", data, at)
-    type_at = at + 4 + 8 * n_dims
-    struct.pack_into("<I", data, type_at, 200)
-    path = tmp_path / "bonsai2-ptq.gguf"
+    struct.pack_into("<Q", data, at + 4 + 8 * n_dims + 4, first.data_offset - reader.data_offset)
     path.write_bytes(bytes(data))
-    with pytest.raises(WeightsError, match="PrismML engine"):
-        weights.verify(path, "cuda")
+    with pytest.raises(WeightsError, match="inside the tensor before"):
+        weights.verify(path, "cuda", engine="prismml")
 
 
 def test_cli_prints_one_line_and_fails(tmp_path, capsys):
@@ -111,24 +148,24 @@ def test_cli_prints_one_line_and_fails(tmp_path, capsys):
 @pytest.mark.parametrize(
     "expect, message",
     [
-        ({"architecture": "qwen3"}, "is a llama model, expected qwen3"),
-        ({"block_count": 3}, "llama.block_count = 2, expected 3"),
-        ({"embedding_length": 4096}, "llama.embedding_length = 128, expected 4096"),
+        ({"architecture": "qwen3"}, "is a qwen35 model, expected qwen3"),
+        ({"block_count": 3}, "qwen35.block_count = 4, expected 3"),
+        ({"embedding_length": 4096}, "qwen35.embedding_length = 256, expected 4096"),
     ],
 )
 def test_shape_against_the_expected_model(tiny_model, expect, message):
     with pytest.raises(WeightsError, match=message):
         weights.verify(tiny_model, "cpu", expect)
     shape = synthetic.PROFILES["tiny"]
-    right = {"architecture": "llama", "block_count": shape.n_layer, "embedding_length": 128}
-    assert weights.verify(tiny_model, "cpu", right)["architecture"] == "llama"
+    right = {"architecture": "qwen35", "block_count": shape.n_layer, "embedding_length": 256}
+    assert weights.verify(tiny_model, "cpu", right)["architecture"] == "qwen35"
 
 
 def test_verify_cli_checks_against_config_json(tiny_model, tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"num_hidden_layers": 40, "hidden_size": 128}))
     assert weights.main([str(tiny_model), "--backend", "cpu", "--config", str(config)]) == 1
-    assert "block_count = 2, expected 40" in capsys.readouterr().err
+    assert "block_count = 4, expected 40" in capsys.readouterr().err
 
 
 def test_flipped_bytes_in_the_header_are_refused(tiny_model, tmp_path):
@@ -155,7 +192,7 @@ def test_group_128_q2_0_file_gets_its_own_hint(tmp_path):
 
 @pytest.fixture
 def checkpoint_copy(tmp_path) -> Path:
-    return synthetic.write_checkpoint(tmp_path / "ckpt", "tiny")
+    return synthetic.write_checkpoint(tmp_path / "ckpt", "llama-tiny")
 
 
 def drop_key(ckpt: Path) -> None:

@@ -1,0 +1,107 @@
+"""Stand-in for llama-server serving a real chat model: the OpenAI-compatible routes the smoke test
+uses (/health, /v1/models, /v1/chat/completions streamed and not), answering from a fixed table.
+
+It exists because no real model that can answer questions runs here (Bonsai 2 needs a GPU and the
+PrismML engine). `right` answers the quality gate's questions as a working model would; `wrong`
+answers them fluently and wrongly; `gibberish` streams well-formed nonsense, as mainline llama.cpp
+does on Bonsai 2's fork-packed file. Everything about a real model's answers stays unproven here.
+
+Usage: python3 standin_server.py right|wrong|gibberish [PORT]   (PORT default: $LLAMA_ARG_PORT)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+ANSWERS = {
+    "right": {"France": "Paris.", "中国": "北京", "12 + 30": "42"},
+    "wrong": {"France": "The capital of France is Lyon.", "中国": "上海", "12 + 30": "41"},
+    "gibberish": {},
+}
+GIBBERISH = "ilion verschill ((__ 的的 Parade cholesterol,,, Turbo"
+SMALL_TALK = "Hello! I am a stand-in model answering from a table."
+
+
+def answer(mode: str, prompt: str) -> str:
+    if mode == "gibberish":
+        return GIBBERISH
+    for key, text in ANSWERS[mode].items():
+        if key in prompt:
+            return text
+    return SMALL_TALK
+
+
+class Handler(BaseHTTPRequestHandler):
+    mode = "right"
+
+    def send_json(self, status: int, body: dict) -> None:
+        data = json.dumps(body, ensure_ascii=False).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/health":
+            self.send_json(200, {"status": "ok"})
+        elif self.path == "/v1/models":
+            self.send_json(200, {"object": "list", "data": [{"id": f"standin-{self.mode}"}]})
+        else:
+            self.send_json(404, {"error": "no such route"})
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        if self.path != "/v1/chat/completions":
+            self.send_json(404, {"error": "no such route"})
+            return
+        text = answer(self.mode, request["messages"][-1]["content"])
+        pieces = text.split(" ")
+        pieces = [p + " " for p in pieces[:-1]] + pieces[-1:]
+        usage = {"prompt_tokens": 8, "completion_tokens": len(pieces), "total_tokens": 8}
+        if not request.get("stream"):
+            self.send_json(
+                200,
+                {
+                    "object": "chat.completion",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": text},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                    "usage": usage,
+                },
+            )
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for i, piece in enumerate(pieces):
+            finish = "stop" if i == len(pieces) - 1 else None
+            delta = {
+                "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": finish}]
+            }
+            self.wfile.write(f"data: {json.dumps(delta, ensure_ascii=False)}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(0.005)
+        final = {"choices": [], "usage": usage, "timings": {"predicted_per_second": 200.0}}
+        self.wfile.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def serve(mode: str, port: int = 0, host: str = "127.0.0.1") -> ThreadingHTTPServer:
+    handler = type("ModeHandler", (Handler,), {"mode": mode})
+    return ThreadingHTTPServer((host, port), handler)
+
+
+if __name__ == "__main__":
+    port = int(sys.argv[2] if len(sys.argv) > 2 else os.environ.get("LLAMA_ARG_PORT", "8080"))
+    serve(sys.argv[1], port, "0.0.0.0").serve_forever()
