@@ -10,16 +10,10 @@ PY := $(VENV)/bin/python
 CLI := $(VENV)/bin/ternary-serve
 COMPOSE := docker compose
 
-# Operator choices (make VAR=value): see README "Configuration".
-BACKEND ?= cuda
-ENGINE_SOURCE ?= git
-MODEL_DIR ?= $(CURDIR)/models
-MODEL_FILE ?= model.gguf
-PUBLISH_ADDRESS ?= 127.0.0.1
-PUBLISH_PORT ?= 8080
-# The smoke test's quality gate: auto (the model's catalog entry; none for synthetic models), none,
-# or a gate name from models.yaml.
-QUALITY_GATE ?= auto
+# Settings (make config NAME=value; `make settings` lists them): declared once, with their defaults
+# and checks, in ternary_serve/settings.py, and kept in settings.env by `ternary-serve config`.
+SETTING_NAMES := $(shell python3 -m ternary_serve.settings --names)
+# Make's own variables, for single targets:
 # deploy/rollback: an image tag (make releases lists them); empty = the configured / previous one.
 TAG ?=
 # make model: a models.yaml name (MODEL=) or a source (SOURCE=https://…, hf://OWNER/REPO/FILE, a
@@ -32,16 +26,27 @@ SHA256 ?=
 SRC ?=
 TYPE ?= Q2_0
 EMBEDDINGS_TYPE ?=
-# One image for all three base-image roles, e.g. a local stand-in where no registry is reachable.
+# One image for all three base-image settings, e.g. a local stand-in where no registry is reachable.
 BASE_IMAGE_OVERRIDE ?=
+# make bench: where its JSON and PNG go.
+BENCH_OUT ?= $(CURDIR)/bench
+MAKE_ONLY := TAG MODEL SOURCE SHA256 SRC TYPE EMBEDDINGS_TYPE BASE_IMAGE_OVERRIDE BENCH_OUT
 # The stand-in that tests/bootstrap.py builds on machines without registry access.
 STAND_IN_IMAGE := local/debian:bookworm-test
 
-BASE_IMAGE_FLAGS := $(if $(BASE_IMAGE_OVERRIDE),--build-base-image $(BASE_IMAGE_OVERRIDE) \
-	--runtime-base-image $(BASE_IMAGE_OVERRIDE) --smoke-base-image $(BASE_IMAGE_OVERRIDE))
+# A misspelt setting on the command line is an error, not a silently ignored variable.
+$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(if \
+	$(filter $(v),$(SETTING_NAMES) $(MAKE_ONLY)),,$(error $(v) is neither a setting nor a Make \
+	variable: `make settings` lists the settings))))
+# A setting's value as configured (.env), in a recipe.
+setting = "$$($(CLI) settings --get $(1))"
+# The settings given on this command line, for ternary-serve config.
+SETTING_ARGS := $(foreach v,$(SETTING_NAMES),$(if $(filter command line,$(origin $(v))),'$(v)=$($(v))')) \
+	$(if $(MODEL)$(SOURCE),'MODEL_SOURCE=$(or $(MODEL),$(SOURCE))') $(if $(SHA256),'MODEL_SHA256=$(SHA256)') \
+	$(if $(BASE_IMAGE_OVERRIDE),$(foreach role,BUILD RUNTIME SMOKE,'$(role)_BASE_IMAGE=$(BASE_IMAGE_OVERRIDE)'))
 
-.PHONY: help venv versions config model convert build release up deploy rollback releases down smoke logs \
-	demo test lint bootstrap
+.PHONY: help venv versions config settings plan model convert build release up deploy rollback releases \
+	down bench smoke logs demo test lint bootstrap
 
 help: ## list targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -50,7 +55,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 tests/bootstrap.py engine-source
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q vendor/llama.cpp/gguf-py -e '.[dev]'
+	$(VENV)/bin/pip install -q vendor/llama.cpp/gguf-py -e '.[dev,bench]'
 	touch $@
 
 venv: $(VENV)/.installed ## Python environment with the package and dev tools
@@ -62,27 +67,29 @@ versions: ## the pins this checkout builds with (versions.env)
 	@echo "cuda     $(CUDA_VERSION), architectures $(CUDA_ARCHITECTURES), gcc $(GCC_VERSION)"
 	@echo "images   $(CUDA_BUILD_IMAGE) -> $(CUDA_RUNTIME_IMAGE); cpu: $(CPU_RUNTIME_IMAGE)"
 
-config: venv ## write .env and state/llama-server.env from versions.env and templates/
-	$(CLI) config --backend $(BACKEND) --engine-source $(ENGINE_SOURCE) \
-		--model-dir $(MODEL_DIR) --model-file $(MODEL_FILE) \
-		--model-source "$(or $(MODEL),$(SOURCE))" --model-sha256 "$(SHA256)" \
-		--quality-gate $(QUALITY_GATE) \
-		--publish-address $(PUBLISH_ADDRESS) --publish-port $(PUBLISH_PORT) $(BASE_IMAGE_FLAGS)
+config: venv ## settings NAME=value (kept in settings.env); writes .env and the server flags with the plan
+	$(CLI) config $(SETTING_ARGS)
 
-model: venv ## fetch MODEL=<name in models.yaml> or SOURCE=... into MODEL_DIR/MODEL_FILE, verified
+settings: venv ## list the settings: current value, default, meaning
+	$(CLI) settings
+
+plan: config ## the memory plan for the configured model: slots x context x KV cache type
+	$(CLI) plan $(call setting,MODEL_DIR)/$(call setting,MODEL_FILE)
+
+model: config ## fetch MODEL=<name in models.yaml> or SOURCE=... into MODEL_DIR/MODEL_FILE, verified
 	@test -n "$(MODEL)$(SOURCE)" || { echo "make model: set MODEL=<name in models.yaml>, or \
 		SOURCE=https://…, hf://OWNER/REPO/FILE, a file or a checkpoint directory"; exit 2; }
 	$(if $(and $(SOURCE),$(wildcard $(SOURCE)/config.json)),\
 		$(MAKE) --no-print-directory convert SRC=$(SOURCE),\
-		$(CLI) fetch "$(or $(MODEL),$(SOURCE))" "$(MODEL_DIR)/$(MODEL_FILE)" --backend $(BACKEND) \
-			$(if $(SHA256),--sha256 $(SHA256)))
+		$(CLI) fetch "$(or $(MODEL),$(SOURCE))" $(call setting,MODEL_DIR)/$(call setting,MODEL_FILE) \
+			--backend $(call setting,BACKEND) $(if $(SHA256),--sha256 $(SHA256)))
 
 convert: build ## SRC=<checkpoint dir or GGUF> -> TYPE (Q2_0) at MODEL_DIR/MODEL_FILE, engine's tools
 	@test -n "$(SRC)" || { echo "make convert: set SRC=<Hugging Face checkpoint directory or GGUF>"; \
 		exit 2; }
 	$(COMPOSE) run --rm --no-deps -v "$(abspath $(SRC)):/input/$(notdir $(abspath $(SRC))):ro" \
-		model-init convert "/input/$(notdir $(abspath $(SRC)))" "/models/$(MODEL_FILE)" \
-		--type $(TYPE) --backend $(BACKEND) $(if $(EMBEDDINGS_TYPE),--embeddings-type $(EMBEDDINGS_TYPE))
+		model-init convert "/input/$(notdir $(abspath $(SRC)))" /models/$(call setting,MODEL_FILE) \
+		--type $(TYPE) --backend $(call setting,BACKEND) $(if $(EMBEDDINGS_TYPE),--embeddings-type $(EMBEDDINGS_TYPE))
 
 build: config ## build the server, model-init and smoke images (tags carry version, engine ref, backend)
 	$(COMPOSE) build
@@ -103,6 +110,9 @@ rollback: venv ## back to the previous good release, or to TAG=...
 releases: venv ## the release history: tag, when, model manifest, smoke result, live marker
 	$(CLI) release list
 
+bench: venv ## llama-bench, llama-batched-bench and a client sweep of the live release -> BENCH_OUT
+	$(CLI) bench --out $(BENCH_OUT)
+
 smoke: ## smoke test the running stack again
 	$(COMPOSE) run --rm smoke
 
@@ -116,8 +126,8 @@ bootstrap: ## install and start Docker, Compose, buildx; build the base stand-in
 	python3 tests/bootstrap.py all
 
 demo: bootstrap venv ## no GPU, no registry: serve a synthetic tiny ternary model on the CPU stack
-	$(CLI) synth $(MODEL_DIR)/tiny-ternary.gguf --profile tiny
-	$(MAKE) up BACKEND=cpu ENGINE_SOURCE=local MODEL_FILE=tiny-ternary.gguf \
+	$(CLI) synth $(CURDIR)/models/tiny-ternary.gguf --profile tiny
+	$(MAKE) up BACKEND=cpu ENGINE_SOURCE=local MODEL_DIR=$(CURDIR)/models MODEL_FILE=tiny-ternary.gguf \
 		BASE_IMAGE_OVERRIDE=$(STAND_IN_IMAGE)
 
 lint: venv ## ruff, yamllint, hadolint, ansible-lint (production profile), playbook syntax

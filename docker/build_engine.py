@@ -21,8 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-# Only what the product ships: the server, the quantizer the weights tools use, and the benchmark.
-TARGETS = ("llama-server", "llama-quantize", "llama-bench")
+# Only what the product ships: the server, the quantizer the weights tools use, and the two
+# benchmarks `ternary-serve bench` runs in the server image.
+TARGETS = ("llama-server", "llama-quantize", "llama-bench", "llama-batched-bench")
 BACKENDS = ("cuda", "cpu")
 
 

@@ -1,8 +1,13 @@
-"""Benchmark an engine build on a model: llama-bench pp512/tg128, then llama-server started with the
-flags rendered from templates/llama-server.env.j2 and measured by the smoke client.
+"""Benchmark serving: llama-bench, llama-batched-bench at the planned slot count, and a concurrency
+sweep through the server (1, slots and 2x slots clients, streaming, with the official `openai`
+client, so it also proves the API's compatibility).
 
-Runs natively (no Docker): point --bin at the engine's bin/ (docker/build_engine.py --prefix).
-Prints a table and writes JSON next to --out.
+Against the deployed stack (default): the server at PUBLISH_ADDRESS:PUBLISH_PORT, the engine's
+benchmarks in the release's server image. Where there is no Docker (`--bin`, the GPU machine):
+llama-server started natively with the env file the renderer writes, the same flags Compose passes.
+Tokens are counted from the server's own usage and timings, never from stream chunks. Writes
+bench.json and bench.png (matplotlib) to --out, each run recorded with the release, GPU, model and
+settings.
 
 `ternary-serve bench-convert` measures conversion instead: a synthetic checkpoint of 27B-class
 layers through the model-init image's `convert` (engine converter + llama-quantize), reporting
@@ -16,14 +21,23 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import requests
 
-from ternary_serve import plan, smoke
+from ternary_serve import config, envfile, settings
+from ternary_serve.versions import PROJECT_ROOT
+
+
+class BenchError(Exception):
+    """A benchmark step that could not run; the message says which and why."""
 
 
 def gpu_name() -> str:
@@ -34,140 +48,489 @@ def gpu_name() -> str:
             text=True,
         )
     except FileNotFoundError:
-        return "no NVIDIA GPU (no nvidia-smi)"
+        return f"no NVIDIA GPU; CPU: {platform.processor() or platform.machine()}"
     return out.stdout.strip() if out.returncode == 0 else "no NVIDIA GPU"
 
 
-def llama_bench(bin_dir: Path, model: Path, backend: str) -> list[dict]:
-    ngl = "99" if backend == "cuda" else "0"
-    cmd = [
-        str(bin_dir / "llama-bench"),
-        "-m",
-        str(model),
+def gpu_memory_used() -> dict:
+    """What the whole GPU has in use (MiB), by nvidia-smi; empty without one."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return {}
+    if out.returncode != 0 or not out.stdout.strip():
+        return {}
+    used, total = out.stdout.splitlines()[0].split(",")
+    return {"nvidia_smi_used_mib": int(used), "nvidia_smi_total_mib": int(total)}
+
+
+def log(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Engine:
+    """How to run the engine's tools: natively from a bin/ directory, or in the server image."""
+
+    bin_dir: Path | None
+    model: Path  # as the tools see it
+    env: dict[str, str] | None = None  # the deployed stack's .env (image runs)
+
+    def run(self, tool: str, args: list[str], timeout: float) -> str:
+        if self.bin_dir is not None:
+            cmd = [str(self.bin_dir / tool), *args]
+        else:
+            cmd = [
+                "docker",
+                "compose",
+                "--env-file",
+                self.env["ENV_FILE"],
+                "run",
+                "--rm",
+                "--no-deps",
+                "-T",
+                "--entrypoint",
+                f"/usr/local/bin/{tool}",
+                "llama-server",
+                *args,
+            ]
+        log("+ " + " ".join(cmd))
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, cwd=PROJECT_ROOT
+        )
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise BenchError(f"{tool} exited with {done.returncode}: {' | '.join(tail)}")
+        return done.stdout + done.stderr
+
+
+def engine_args(flags: dict[str, str]) -> list[str]:
+    """The server's memory and offload flags, for the engine's benchmarks."""
+    ngl = flags.get("LLAMA_ARG_N_GPU_LAYERS", "0")
+    fa = flags.get("LLAMA_ARG_FLASH_ATTN", "auto")
+    kv = flags.get("LLAMA_ARG_CACHE_TYPE_K", "f16")
+    return [
         "-ngl",
         ngl,
         "-fa",
-        "1",
-        "-p",
-        "512",
-        "-n",
-        "128",
-        "-r",
-        "3",
-        "-o",
-        "json",
+        fa,
+        "-ctk",
+        kv,
+        "-ctv",
+        kv,
+        "-b",
+        flags["LLAMA_ARG_BATCH"],
+        "-ub",
+        flags["LLAMA_ARG_UBATCH"],
     ]
-    print("+ " + " ".join(cmd), flush=True)
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+
+
+def llama_bench(engine: Engine, flags: dict[str, str], pp: int, tg: int, reps: int) -> list[dict]:
+    args = engine_args(flags)
+    # llama-bench spells flash attention 0/1 and does not take auto.
+    args[args.index("-fa") + 1] = "1" if args[args.index("-fa") + 1] == "on" else "0"
+    out = engine.run(
+        "llama-bench",
+        [
+            "-m",
+            str(engine.model),
+            *args,
+            "-p",
+            str(pp),
+            "-n",
+            str(tg),
+            "-r",
+            str(reps),
+            "-o",
+            "json",
+        ],
+        timeout=1800,
+    )
     rows = []
-    for r in json.loads(out.stdout):
-        test = f"pp{r.get('n_prompt')}" if r.get("n_prompt") else f"tg{r.get('n_gen')}"
-        keep = (
-            "avg_ts",
-            "stddev_ts",
-            "model_size",
-            "model_n_params",
-            "model_type",
-            "build_commit",
-            "n_gpu_layers",
-            "flash_attn",
+    for r in json.loads(out[out.index("[") : out.rindex("]") + 1]):
+        test = f"pp{r['n_prompt']}" if r.get("n_prompt") else f"tg{r['n_gen']}"
+        rows.append(
+            {
+                "test": test,
+                "tokens_per_s": r["avg_ts"],
+                "stddev": r["stddev_ts"],
+                "model_size": r["model_size"],
+                "build_commit": r.get("build_commit"),
+            }
         )
-        rows.append({"test": test, **{k: r.get(k) for k in keep}})
     return rows
 
 
-def server_env(model: Path, backend: str, port: int) -> dict[str, str]:
-    """The production flags: the same template Compose uses, with the model path swapped in."""
-    rendered = plan.render_server_env(
-        {"backend": backend, "model_file": model.name, "server_port": port}
+def batched_bench(engine: Engine, flags: dict[str, str], slots: int, pp: int, tg: int) -> list:
+    parallel = sorted({1, slots})
+    args = engine_args(flags)
+    if flags.get("LLAMA_ARG_KV_UNIFIED") == "on":
+        args.append("-kvu")
+    out = engine.run(
+        "llama-batched-bench",
+        [
+            "-m",
+            str(engine.model),
+            *args,
+            "-c",
+            str(max(parallel) * (pp + tg) + 256),
+            "-npp",
+            str(pp),
+            "-ntg",
+            str(tg),
+            "-npl",
+            ",".join(map(str, parallel)),
+            "--output-format",
+            "jsonl",
+        ],
+        timeout=1800,
     )
-    env = dict(os.environ)
-    for line in rendered.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            env[key] = value
-    env["LLAMA_ARG_MODEL"] = str(model)
-    env["LLAMA_ARG_HOST"] = "127.0.0.1"
-    return env
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"n_kv_max"')]
+    return [
+        {
+            "parallel": r["pl"],
+            "pp": r["pp"],
+            "tg": r["tg"],
+            "decode_tokens_per_s": r["speed_tg"],
+            "prompt_tokens_per_s": r["speed_pp"],
+        }
+        for r in rows
+    ]
+
+
+def prompt_of(url: str, n_tokens: int, request: int) -> str:
+    """A distinct prompt per request (the prompt cache must not serve it) of n_tokens tokens, cut
+    to length by the server's own tokenizer (/tokenize, /detokenize)."""
+    words = " ".join(f"item{(request * 7919 + i) % 10007}" for i in range(n_tokens))
+    text = f"Request {request}. Continue this list without stopping: {words}"
+    tokens = requests.post(f"{url}/tokenize", json={"content": text}, timeout=60).json()["tokens"]
+    cut = requests.post(f"{url}/detokenize", json={"tokens": tokens[:n_tokens]}, timeout=60)
+    return cut.json()["content"]
+
+
+def one_request(
+    client, url: str, model: str, request: int, prompt_tokens: int, max_tokens: int
+) -> dict:
+    started = time.monotonic()
+    first = None
+    usage = timings = None
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt_of(url, prompt_tokens, request)}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        # Every request generates max_tokens: comparable runs; thinking off: chat templates that
+        # think first would hide the first token.
+        extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}},
+    )
+    for chunk in stream:
+        if first is None and chunk.choices and (chunk.choices[0].delta.content or "") != "":
+            first = time.monotonic()
+        usage = chunk.usage or usage
+        timings = (chunk.model_extra or {}).get("timings") or timings
+    if usage is None or timings is None:
+        raise BenchError("the stream ended without the server's usage and timings")
+    return {
+        "ttft_s": (first or time.monotonic()) - started,
+        "completion_tokens": usage.completion_tokens,
+        "prompt_tokens": usage.prompt_tokens,
+        "decode_tokens_per_s": timings.get("predicted_per_second"),
+        "seconds": time.monotonic() - started,
+    }
+
+
+def percentile(values: list[float], share: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
+
+
+def sweep_level(
+    url: str, model: str, clients: int, rounds: int, prompt: int, max_tokens: int, offset: int
+) -> dict:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0)
+    results: list[dict] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def worker(index: int) -> None:
+        for r in range(rounds):
+            try:
+                done = one_request(
+                    client, url, model, offset + index * rounds + r, prompt, max_tokens
+                )
+            except (openai.OpenAIError, BenchError) as exc:
+                with lock:
+                    failures.append(f"{type(exc).__name__}: {exc}"[:200])
+                continue
+            with lock:
+                results.append(done)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.monotonic() - started
+    ttft = [r["ttft_s"] for r in results]
+    per_stream = [r["decode_tokens_per_s"] for r in results if r["decode_tokens_per_s"]]
+    return {
+        "clients": clients,
+        "requests": clients * rounds,
+        "failures": len(failures),
+        "failure_samples": failures[:3],
+        "completion_tokens": sum(r["completion_tokens"] for r in results),
+        "prompt_tokens_mean": round(statistics.mean(r["prompt_tokens"] for r in results), 1)
+        if results
+        else None,
+        "wall_s": round(wall, 2),
+        "aggregate_tokens_per_s": round(sum(r["completion_tokens"] for r in results) / wall, 2),
+        "per_stream_tokens_per_s": round(statistics.median(per_stream), 2) if per_stream else None,
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p95_s": percentile(ttft, 0.95),
+    }
+
+
+def sweep(url: str, model: str, levels: list[int], rounds: int, prompt: int, max_tokens: int):
+    rows = []
+    for step, clients in enumerate(levels, start=1):
+        log(
+            f"sweep {step}/{len(levels)}: {clients} clients x {rounds} requests, "
+            f"{max_tokens} tokens each"
+        )
+        row = sweep_level(url, model, clients, rounds, prompt, max_tokens, offset=step * 100000)
+        log(
+            f"  {row['aggregate_tokens_per_s']} t/s aggregate, {row['per_stream_tokens_per_s']} "
+            f"t/s per stream, TTFT p95 {row['ttft_p95_s'] or 0:.2f} s, {row['failures']} failed"
+        )
+        rows.append(row)
+    return rows
+
+
+def chart(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["sweep"]
+    clients = [r["clients"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    left.plot(clients, [r["aggregate_tokens_per_s"] for r in rows], "o-", label="server, aggregate")
+    left.plot(
+        clients, [r["per_stream_tokens_per_s"] or 0 for r in rows], "s-", label="server, per stream"
+    )
+    for row in result["batched_bench"]:
+        left.scatter([row["parallel"]], [row["decode_tokens_per_s"]], marker="x", color="k")
+    tg = [r["tokens_per_s"] for r in result["llama_bench"] if r["test"].startswith("tg")]
+    if tg:
+        left.axhline(tg[0], linestyle=":", color="grey", label="llama-bench tg (one stream)")
+    left.scatter([], [], marker="x", color="k", label="llama-batched-bench decode")
+    left.set_xlabel("concurrent clients")
+    left.set_ylabel("decode tokens/s")
+    left.legend(fontsize=8)
+    right.plot(clients, [r["ttft_p50_s"] or 0 for r in rows], "o-", label="TTFT p50")
+    right.plot(clients, [r["ttft_p95_s"] or 0 for r in rows], "s-", label="TTFT p95")
+    right.set_xlabel("concurrent clients")
+    right.set_ylabel("seconds")
+    right.legend(fontsize=8)
+    plan = result["settings"]
+    fig.suptitle(
+        f"{result['model']} on {result['machine']['gpu'][:60]}\n"
+        f"release {result['release']}, {plan['slots']} slots x {plan['context']} tokens, "
+        f"KV {plan['kv_type']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
     started = time.monotonic()
     while time.monotonic() - started < timeout:
         if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode} while loading")
+            raise BenchError(f"llama-server exited with {proc.returncode} while loading")
         try:
             if requests.get(f"{url}/health", timeout=2).status_code == 200:
                 return time.monotonic() - started
         except requests.RequestException:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"llama-server not healthy after {timeout:.0f} s")
+    raise BenchError(f"llama-server not healthy after {timeout:.0f} s")
 
 
-def serve_and_smoke(
-    bin_dir: Path, model: Path, backend: str, port: int, max_tokens: int, log: Path
-) -> dict:
-    url = f"http://127.0.0.1:{port}"
-    with log.open("w") as fh:
-        proc = subprocess.Popen(
-            [str(bin_dir / "llama-server")],
-            env=server_env(model, backend, port),
-            stdout=fh,
-            stderr=subprocess.STDOUT,
+def native_flags(model: Path, given: dict[str, str], port: int) -> tuple[dict[str, str], dict]:
+    """The rendered server env for model with the given settings, as Compose would pass it."""
+    values = settings.resolve(
+        {}, {"MODEL_DIR": str(model.parent), "MODEL_FILE": model.name, **given}
+    )
+    text, memory = config.planned_server_env(values)
+    flags = envfile.parse(text)
+    flags.update(LLAMA_ARG_MODEL=str(model), LLAMA_ARG_HOST="127.0.0.1", LLAMA_ARG_PORT=str(port))
+    return flags, memory.as_dict() if memory else {}
+
+
+def served_model(url: str) -> str:
+    try:
+        return requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    except (requests.RequestException, ValueError, KeyError, IndexError) as exc:
+        raise BenchError(f"no server answers at {url} ({exc}): deploy first (make up)") from None
+
+
+def summary(result: dict) -> str:
+    lines = [
+        f"machine: {result['machine']['gpu']}; model {result['model']}; release {result['release']}"
+    ]
+    for row in result["llama_bench"]:
+        lines.append(f"  llama-bench {row['test']:<8} {row['tokens_per_s']:>9.1f} t/s")
+    for row in result["batched_bench"]:
+        lines.append(
+            f"  llama-batched-bench {row['parallel']:>3} seqs  "
+            f"{row['decode_tokens_per_s']:>9.1f} t/s decode"
         )
-        try:
-            load_s = wait_healthy(url, proc, timeout=600)
-            report = smoke.run(url, max_tokens=max_tokens, ignore_eos=True, timeout=300)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
-    report["load_seconds"] = round(load_s, 1)
-    return report
+    lines.append(
+        f"  {'clients':>7} {'aggregate':>10} {'per stream':>10} {'TTFT p50':>9} "
+        f"{'TTFT p95':>9} {'failed':>6}"
+    )
+    for r in result["sweep"]:
+        lines.append(
+            f"  {r['clients']:>7} {r['aggregate_tokens_per_s']:>10.1f} "
+            f"{r['per_stream_tokens_per_s'] or 0:>10.1f} {r['ttft_p50_s'] or 0:>8.2f}s "
+            f"{r['ttft_p95_s'] or 0:>8.2f}s {r['failures']:>6}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ternary-serve bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--bin", type=Path, required=True, help="engine bin/ directory")
-    ap.add_argument("--model", type=Path, required=True)
-    ap.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--port", type=int, default=8080)
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--out", type=Path, default=Path("bench.json"))
-    args = ap.parse_args(argv)
-
-    build_info = args.bin.parent / "build-info.json"
-    result = {
-        "machine": {"gpu": gpu_name(), "cpu_count": os.cpu_count(), "host": platform.node()},
-        "build": json.loads(build_info.read_text()) if build_info.is_file() else None,
-        "model": str(args.model),
-        "llama_bench": llama_bench(args.bin, args.model, args.backend),
-    }
+    ap.add_argument(
+        "--env-file", type=Path, default=PROJECT_ROOT / ".env", help="the deployed stack to measure"
+    )
+    ap.add_argument("--bin", type=Path, help="no Docker: the engine's bin/ (native llama-server)")
+    ap.add_argument("--model", type=Path, help="with --bin: the GGUF")
+    ap.add_argument("--port", type=int, default=8080, help="with --bin: the server's port")
+    ap.add_argument("--out", type=Path, default=Path("bench"), help="directory for JSON and PNG")
+    ap.add_argument("--name", default="bench", help="file name stem in --out")
+    ap.add_argument("--pp", type=int, default=512, help="llama-bench prompt tokens")
+    ap.add_argument("--tg", type=int, default=128, help="llama-bench / sweep generated tokens")
+    ap.add_argument("--reps", type=int, default=3, help="llama-bench repetitions")
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="sweep prompt length")
+    ap.add_argument("--rounds", type=int, default=2, help="requests per client at each level")
+    ap.add_argument("--sweep-only", action="store_true", help="skip the engine's benchmarks")
+    ap.add_argument(
+        "assignments",
+        nargs="*",
+        metavar="NAME=value",
+        help="with --bin: settings (SLOTS, CONTEXT, SERVER_EXTRA...)",
+    )
+    args = ap.parse_intermixed_args(argv)
     try:
-        result["server"] = serve_and_smoke(
-            args.bin,
-            args.model,
-            args.backend,
-            args.port,
-            args.max_tokens,
-            args.out.with_suffix(".server.log"),
-        )
-    except (RuntimeError, smoke.SmokeFailure) as exc:
-        print(f"bench: server run failed: {exc}", file=sys.stderr)
-        result["server"] = {"error": str(exc)}
-    args.out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+        result = run(args)
+    except (BenchError, config.ConfigError, settings.SettingError) as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 1
+    print(summary(result))
+    return 0 if all(r["failures"] == 0 for r in result["sweep"]) else 1
 
-    print(f"\nmachine: {result['machine']['gpu']}; model: {args.model.name}")
-    print(f"{'measure':<34} {'tokens/s':>10}")
-    for row in result["llama_bench"]:
-        print(f"{'llama-bench ' + row['test']:<34} {row['avg_ts']:>10.1f}")
-    for trip in result["server"].get("round_trips", []):
-        print(
-            f"{'llama-server decode [' + trip['prompt'] + ']':<34} "
-            f"{trip['decode_tokens_per_s'] or 0:>10.1f}   ttft {trip['ttft_s'] * 1000:.0f} ms"
+
+def run(args: argparse.Namespace) -> dict:
+    args.out.mkdir(parents=True, exist_ok=True)
+    proc = None
+    if args.bin:
+        if not args.model:
+            raise BenchError("--bin needs --model")
+        flags, memory = native_flags(
+            args.model, settings.parse_assignments(args.assignments), args.port
         )
-    print(f"json: {args.out}")
-    return 0 if "error" not in result["server"] else 1
+        engine = Engine(args.bin, args.model)
+        url = f"http://127.0.0.1:{args.port}"
+        build = args.bin.parent / "build-info.json"
+        release = (
+            json.loads(build.read_text()).get("engine_ref", "native")
+            if build.is_file()
+            else "native"
+        )
+        model_name = args.model.name
+    else:
+        if not args.env_file.is_file():
+            raise BenchError(f"{args.env_file} does not exist: configure and deploy a stack first")
+        env = {**envfile.read(args.env_file), "ENV_FILE": str(args.env_file)}
+        flags = envfile.read(Path(env["SERVER_ENV_FILE"]))
+        memory = {}
+        engine = Engine(None, Path(flags["LLAMA_ARG_MODEL"]), env)
+        address = env["PUBLISH_ADDRESS"].replace("0.0.0.0", "127.0.0.1")
+        url = f"http://{address}:{env['PUBLISH_PORT']}"
+        release = env["IMAGE_TAG"]
+        model_name = env["MODEL_FILE"]
+        served_model(url)  # before minutes of engine benchmarks
+    slots = int(flags.get("LLAMA_ARG_N_PARALLEL", "1"))
+    result = {
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"gpu": gpu_name(), "cpu_count": os.cpu_count(), "host": platform.node()},
+        "release": release,
+        "model": model_name,
+        "settings": {
+            "slots": slots,
+            "context": int(flags.get("LLAMA_ARG_CTX_SIZE", "0")) // slots,
+            "kv_type": flags.get("LLAMA_ARG_CACHE_TYPE_K", "f16"),
+            "kv_unified": flags.get("LLAMA_ARG_KV_UNIFIED", "off"),
+            "server_flags": flags,
+            "plan": memory,
+        },
+    }
+    result["llama_bench"] = result["batched_bench"] = []
+    if not args.sweep_only:
+        log(f"llama-bench pp{args.pp} tg{args.tg} x{args.reps}")
+        result["llama_bench"] = llama_bench(engine, flags, args.pp, args.tg, args.reps)
+        log(f"llama-batched-bench at 1 and {slots} sequences")
+        result["batched_bench"] = batched_bench(engine, flags, slots, 128, args.tg)
+    if args.bin:
+        server_log = args.out / f"{args.name}.server.log"
+        with server_log.open("w") as fh:
+            proc = subprocess.Popen(
+                [str(args.bin / "llama-server")],
+                # Trace level: the engine logs its buffer sizes and, at exit, its memory breakdown.
+                env={**os.environ, **flags, "LLAMA_ARG_LOG_VERBOSITY": "4"},
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+            )
+    try:
+        if proc is not None:
+            result["load_seconds"] = round(wait_healthy(url, proc, timeout=900), 1)
+            result["memory"] = {"planned_mib": memory.get("used_mib"), **gpu_memory_used()}
+        levels = sorted({1, slots, 2 * slots})
+        result["sweep"] = sweep(
+            url, served_model(url), levels, args.rounds, args.prompt_tokens, args.tg
+        )
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=120)
+            # At exit the server prints what it allocated per device: model, context, compute.
+            lines = server_log.read_text().splitlines()
+            result.setdefault("memory", {}).update(
+                engine_buffers=[line.split(": ", 1)[-1] for line in lines if "buffer size" in line],
+                engine_breakdown=[
+                    line.split("common_memory_breakdown_print: ", 1)[-1]
+                    for line in lines
+                    if "common_memory_breakdown_print" in line
+                ],
+            )
+    out_json = args.out / f"{args.name}.json"
+    out_json.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    chart(result, args.out / f"{args.name}.png")
+    log(f"wrote {out_json} and {args.out / (args.name + '.png')}")
+    return result
 
 
 def convert_main(argv: list[str] | None = None) -> int:
@@ -197,10 +560,22 @@ def convert_main(argv: list[str] | None = None) -> int:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     cmd = [
-        "docker", "run", "--rm",
-        "-v", f"{checkpoint.resolve()}:/in:ro", "-v", f"{out.resolve()}:/out",
-        args.image, "convert", "/in", "/out/model.gguf", "--type", "Q2_0", "--backend", "cpu",
-    ]  # fmt: skip
+        "docker",
+        "run",
+        "--rm",
+        "-v",
+        f"{checkpoint.resolve()}:/in:ro",
+        "-v",
+        f"{out.resolve()}:/out",
+        args.image,
+        "convert",
+        "/in",
+        "/out/model.gguf",
+        "--type",
+        "Q2_0",
+        "--backend",
+        "cpu",
+    ]
     print("+ " + " ".join(cmd), flush=True)
     started = time.monotonic()
     subprocess.run(cmd, check=True)

@@ -8,7 +8,12 @@ import sys
 # command -> (module, what it does). Modules load on use: the smoke image needs no numpy or docker
 # import to run a smoke test.
 COMMANDS = {
-    "config": ("plan", "render .env and the llama-server env file from versions.env + template"),
+    "config": (
+        "config",
+        "set NAME=value settings; render .env and the server flags (with the plan)",
+    ),
+    "settings": ("settings", "list the settings: value, default, meaning"),
+    "plan": ("plan", "plan GPU memory for a model: slots x context x KV cache type"),
     "release": (
         "release",
         "deploy a tag (rolled back unless healthy and smoke passes), roll back, list",
@@ -19,7 +24,7 @@ COMMANDS = {
     "convert": ("convert", "convert a checkpoint or GGUF to the deployable type (engine's tools)"),
     "verify": ("weights", "check a GGUF before serving it"),
     "synth": ("synthetic", "write a synthetic ternary Q2_0 model"),
-    "bench": ("bench", "benchmark an engine build: llama-bench, then llama-server + smoke"),
+    "bench": ("bench", "llama-bench, llama-batched-bench and a client sweep through the server"),
     "bench-convert": ("bench:convert_main", "conversion throughput and peak memory, 27B-class"),
 }
 

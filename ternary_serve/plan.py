@@ -1,260 +1,370 @@
-"""Turn versions.env plus the operator's choices into what Compose reads.
+"""Plan GPU memory: slots x context x KV cache type for a model on a card, from the GGUF header.
 
-Writes two files, each atomically (temp file + rename), so a crash never leaves half a config:
-  .env                    Compose's project environment: build args, image names and tag, files
-  state/llama-server.env  llama-server flags, rendered from templates/llama-server.env.j2
+    weights     the tensors the GPU holds (token embeddings stay in host memory, as the engine
+                keeps them)
+    KV cache    per token: for every attention layer, KV heads x (key + value length) elements
+                of the KV type (f16 2 bytes, q8_0 34/32, q4_0 18/32); x context x slots
+    recurrent   per slot: for every recurrent layer (Gated DeltaNet, Mamba), the convolution and
+                SSM state in f32, (d_conv - 1)(d_inner + 2 groups d_state) + d_state d_inner
+    compute     the engine's graph buffers for one micro-batch (logits dominate for a 248k vocab)
+    runtime     the CUDA context and libraries' workspace
+    headroom    kept free: max(512 MiB, 5% of the card)
+
+Slots: as many as fit (up to MAX_SLOTS) with f16 first, q8_0 when f16 cannot give the asked
+context. A setting that cannot fit is refused before anything changes, naming what would fit.
+`ternary-serve plan MODEL.gguf [--vram-mib N]` prints the table; config renders the server flags
+from the same plan.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import re
+import json
+import math
 import subprocess
 import sys
-import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import jinja2
+from ternary_serve import weights
 
-from ternary_serve.versions import PROJECT_ROOT, load_versions
+MIB = 2**20
+MAX_SLOTS = 16  # aggregate decode keeps rising to 16 streams on an H200 (docs/bench.md)
+DEFAULT_CONTEXT = 8192
+CTX_PAD = 256  # the engine rounds the context up to a multiple of this
+KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+CUDA_RUNTIME_MIB = 512
+COMPUTE_FIXED_MIB = 16
+HEADROOM_MIN_MIB = 512
+HEADROOM_SHARE = 0.05
+RECURRENT_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 
-SERVER_TEMPLATE = "llama-server.env.j2"
-COMPOSE_FILES = {"cuda": "compose.yaml", "cpu": "compose.yaml:compose.cpu.yaml"}
-ENGINE_SOURCES = ("git", "local")
-TAG_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
-
-class ConfigError(Exception):
-    """A choice that cannot produce a working stack; the message names the fix."""
+class PlanError(Exception):
+    """A plan that cannot fit or cannot be made; the message names what would fit."""
 
 
 @dataclass(frozen=True)
-class Choices:
-    backend: str = "cuda"
-    engine_source: str = "git"
-    project_name: str = "ternary-serve"
-    model_dir: Path = PROJECT_ROOT / "models"
-    model_file: str = "model.gguf"
-    model_source: str = ""
-    model_sha256: str = ""
-    model_type: str = "Q2_0"
-    # The smoke test's quality gate: auto (the model's catalog entry; none for synthetic models),
-    # none, or a gate name from models.yaml.
-    quality_gate: str = "auto"
-    publish_address: str = "127.0.0.1"
-    publish_port: int = 8080
-    build_base_image: str | None = None
-    runtime_base_image: str | None = None
-    smoke_base_image: str | None = None
-    # The project's commit for the image tag; default: this checkout's (git). Provisioning passes
-    # the controller's, since the copy on the host is no git checkout.
-    revision: str | None = None
+class Shape:
+    """What the memory plan needs from a model, read from its GGUF header."""
 
+    name: str
+    architecture: str
+    n_layer: int
+    attention_layers: int
+    recurrent_layers: int
+    kv_elements_per_token: int  # over all attention layers, key + value
+    recurrent_bytes_per_slot: int
+    weight_bytes: int  # on the GPU
+    host_weight_bytes: int  # token embeddings, kept in host memory
+    n_ctx_train: int
+    n_vocab: int
+    n_embd: int
+    n_ff: int
 
-def engine_pins(pins: dict[str, str], engine_source: str) -> dict[str, str]:
-    """Repo/ref/commit of the engine: the pinned fork from git, or the vendored mainline tree."""
-    if engine_source == "local":
-        return {
-            "ENGINE_REPO": pins["MAINLINE_ENGINE_REPO"],
-            "ENGINE_REF": pins["OFFLINE_ENGINE_REF"],
-            "ENGINE_COMMIT": pins["OFFLINE_ENGINE_COMMIT"],
-        }
-    return {key: pins[key] for key in ("ENGINE_REPO", "ENGINE_REF", "ENGINE_COMMIT")}
+    @classmethod
+    def from_gguf(cls, path: Path) -> Shape:
+        gguf = weights.require_ternary_gguf()
+        try:
+            reader = weights.engine_reader(gguf, weights.FORK_TYPES)(path)
+        except (OSError, ValueError, IndexError) as exc:
+            raise PlanError(
+                f"{path} is truncated or corrupt ({exc}): fetch the model again, or check "
+                "MODEL_FILE"
+            ) from None
 
+        def field(key: str, default=None):
+            found = reader.get_field(key)
+            if found is None:
+                if default is None:
+                    raise PlanError(f"{path} has no {key}: not a model GGUF the plan can read")
+                return default
+            return found.contents()
 
-def image_tag(
-    project_version: str, revision: str, engine_ref: str, backend: str, cuda_architectures: str
-) -> str:
-    """<version>-<commit>-<engine ref>-<backend>[-sm<archs>]: `docker images` tells what it is."""
-    parts = [project_version, revision, engine_ref, backend]
-    if backend == "cuda":
-        parts.append("sm" + "-".join(cuda_architectures.split(";")))
-    return TAG_UNSAFE.sub("-", "-".join(parts))[:128]
-
-
-def project_revision() -> str:
-    """Short commit of this checkout, with -dirty when tracked files differ from it."""
-    git = ["git", "-C", str(PROJECT_ROOT)]
-    head = subprocess.run([*git, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True)
-    if head.returncode != 0:
-        return "unknown"
-    clean = subprocess.run([*git, "diff", "--quiet", "HEAD"], capture_output=True).returncode == 0
-    return head.stdout.strip() + ("" if clean else "-dirty")
-
-
-def compose_env(pins: dict[str, str], choices: Choices, server_env: Path) -> dict[str, str]:
-    backend = choices.backend
-    if backend not in COMPOSE_FILES:
-        raise ConfigError(f"unknown backend {backend!r}: choose cuda or cpu")
-    if choices.engine_source not in ENGINE_SOURCES:
-        raise ConfigError(f"unknown engine source {choices.engine_source!r}: choose git or local")
-    if (
-        choices.engine_source == "local"
-        and not (PROJECT_ROOT / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file()
-    ):
-        raise ConfigError(
-            "engine source 'local' needs vendor/llama.cpp: run "
-            "`python3 tests/bootstrap.py engine-source`"
+        arch = field("general.architecture")
+        n_layer = int(field(f"{arch}.block_count"))
+        n_head = field(f"{arch}.attention.head_count")
+        n_head_kv = field(f"{arch}.attention.head_count_kv", n_head)
+        per_layer_kv = n_head_kv if isinstance(n_head_kv, list) else [n_head_kv] * n_layer
+        n_embd = int(field(f"{arch}.embedding_length"))
+        head = n_embd // int(n_head if not isinstance(n_head, list) else max(n_head))
+        k_len = int(field(f"{arch}.attention.key_length", head))
+        v_len = int(field(f"{arch}.attention.value_length", head))
+        recurrent = [False] * n_layer
+        state = 0
+        if arch in RECURRENT_ARCHS:
+            interval = int(field(f"{arch}.full_attention_interval", 4))
+            recurrent = [(il + 1) % interval != 0 for il in range(n_layer)]
+            d_conv = int(field(f"{arch}.ssm.conv_kernel"))
+            d_inner = int(field(f"{arch}.ssm.inner_size"))
+            d_state = int(field(f"{arch}.ssm.state_size"))
+            groups = int(field(f"{arch}.ssm.group_count"))
+            # llama_hparams::n_embd_r() + n_embd_s(), f32 each
+            state = 4 * ((d_conv - 1) * (d_inner + 2 * groups * d_state) + d_state * d_inner)
+        table = weights.tensor_table(reader)
+        by_name = {t.name: t.n_bytes for t in table}
+        embeddings = by_name.get("token_embd.weight", 0)
+        # Without an output matrix the engine puts a copy of the embeddings on the GPU.
+        host = embeddings if "output.weight" in by_name else 0
+        return cls(
+            name=path.name,
+            architecture=arch,
+            n_layer=n_layer,
+            attention_layers=recurrent.count(False),
+            recurrent_layers=recurrent.count(True),
+            kv_elements_per_token=sum(
+                int(per_layer_kv[il]) * (k_len + v_len)
+                for il in range(n_layer)
+                if not recurrent[il]
+            ),
+            recurrent_bytes_per_slot=state * recurrent.count(True),
+            weight_bytes=sum(by_name.values()) - host,
+            host_weight_bytes=host,
+            n_ctx_train=int(field(f"{arch}.context_length")),
+            n_vocab=len(field("tokenizer.ggml.tokens")),
+            n_embd=n_embd,
+            n_ff=int(field(f"{arch}.feed_forward_length")),
         )
-    engine = engine_pins(pins, choices.engine_source)
-    prefix = backend.upper()
-    revision = choices.revision or project_revision()
-    return {
-        "COMPOSE_PROJECT_NAME": choices.project_name,
-        "COMPOSE_FILE": COMPOSE_FILES[backend],
-        "BACKEND": backend,
-        "ENGINE_SOURCE": choices.engine_source,
-        **engine,
-        "CUDA_ARCHITECTURES": pins["CUDA_ARCHITECTURES"],
-        "GCC_VERSION": pins["GCC_VERSION"],
-        "PROJECT_VERSION": pins["PROJECT_VERSION"],
-        "PROJECT_REVISION": revision,
-        "BUILD_BASE_IMAGE": choices.build_base_image or pins[f"{prefix}_BUILD_IMAGE"],
-        "RUNTIME_BASE_IMAGE": choices.runtime_base_image or pins[f"{prefix}_RUNTIME_IMAGE"],
-        "SMOKE_BASE_IMAGE": choices.smoke_base_image or pins["SMOKE_BASE_IMAGE"],
-        "SERVER_IMAGE": pins["SERVER_IMAGE"],
-        "SMOKE_IMAGE": pins["SMOKE_IMAGE"],
-        "MODEL_INIT_IMAGE": pins["MODEL_INIT_IMAGE"],
-        "TORCH_VERSION": pins["TORCH_VERSION"],
-        "TORCH_INDEX_URL": pins["TORCH_INDEX_URL"],
-        "IMAGE_TAG": image_tag(
-            pins["PROJECT_VERSION"],
-            revision,
-            engine["ENGINE_REF"],
-            backend,
-            pins["CUDA_ARCHITECTURES"],
-        ),
-        "MODEL_DIR": str(choices.model_dir.resolve()),
-        "MODEL_FILE": choices.model_file,
-        "MODEL_SOURCE": choices.model_source,
-        "MODEL_SHA256": choices.model_sha256,
-        "MODEL_TYPE": choices.model_type,
-        "QUALITY_GATE": choices.quality_gate,
-        "SERVER_PORT": "8080",
-        "PUBLISH_ADDRESS": choices.publish_address,
-        "PUBLISH_PORT": str(choices.publish_port),
-        "SERVER_ENV_FILE": str(server_env),
+
+    def kv_bytes_per_token(self, kv_type: str) -> float:
+        return self.kv_elements_per_token * KV_BYTES[kv_type]
+
+    def compute_mib(self, ubatch: int, context: int) -> int:
+        """The engine's graph buffers for one micro-batch, as llama.cpp sizes them (docs/plan.md):
+        the feed-forward activations (4 x n_ff f32 per token), the attention mask over a slot's
+        context, and a fixed part."""
+        return math.ceil(ubatch * (16 * self.n_ff + 4 * context) / MIB) + COMPUTE_FIXED_MIB
+
+    def compute_per_slot_mib(self) -> float:
+        """Recurrent models' graphs also grow with the sequences in a batch: about 4/3 of one
+        layer's state each (measured: 140 MiB at 4 slots, 190 at 16 for the 27B)."""
+        if not self.recurrent_layers:
+            return 0.0
+        return self.recurrent_bytes_per_slot / self.recurrent_layers * 4 / 3 / MIB
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    architecture: str
+    memory: str  # where the memory figure came from
+    memory_mib: int
+    slots: int
+    context: int  # tokens per slot
+    ctx_total: int
+    kv_type: str
+    kv_unified: str
+    ubatch: int
+    weights_mib: int
+    kv_mib: int
+    recurrent_mib: int
+    compute_mib: int
+    runtime_mib: int
+    headroom_mib: int
+
+    @property
+    def used_mib(self) -> int:
+        return (
+            self.weights_mib + self.kv_mib + self.recurrent_mib + self.compute_mib
+            + self.runtime_mib
+        )  # fmt: skip
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "used_mib": self.used_mib}
+
+    def table(self) -> str:
+        rows = [
+            ("weights", self.weights_mib),
+            (f"KV cache ({self.kv_type}, {self.slots} x {self.context} tokens)", self.kv_mib),
+            (f"recurrent state ({self.slots} slots)", self.recurrent_mib),
+            (f"compute buffers (ubatch {self.ubatch})", self.compute_mib),
+            ("CUDA runtime" if self.runtime_mib else "runtime", self.runtime_mib),
+            ("planned use", self.used_mib),
+            ("kept free (headroom)", self.headroom_mib),
+            ("unplanned", self.memory_mib - self.used_mib - self.headroom_mib),
+            (f"memory ({self.memory})", self.memory_mib),
+        ]
+        width = max(len(label) for label, _ in rows)
+        lines = [f"plan for {self.model} ({self.architecture}):"]
+        lines += [f"  {label:<{width}}  {mib:>8,} MiB" for label, mib in rows]
+        lines.append(
+            f"  -> {self.slots} slot{'s' if self.slots > 1 else ''} x {self.context} tokens, "
+            f"KV cache {self.kv_type}, "
+            f"-c {self.ctx_total} -np {self.slots} -ctk/-ctv {self.kv_type} "
+            f"--kv-unified {self.kv_unified}"
+        )
+        return "\n".join(lines)
+
+
+def headroom_mib(memory_mib: int) -> int:
+    return max(HEADROOM_MIN_MIB, math.ceil(memory_mib * HEADROOM_SHARE))
+
+
+def padded(tokens: int) -> int:
+    return -(-tokens // CTX_PAD) * CTX_PAD
+
+
+def make(
+    shape: Shape,
+    memory_mib: int,
+    memory: str,
+    backend: str = "cuda",
+    context: int | None = None,
+    slots: int | None = None,
+    kv_type: str | None = None,
+    kv_unified: str = "off",
+    ubatch: int = 512,
+) -> Plan:
+    """Choose slots x context x KV type for shape in memory_mib; None means choose."""
+    if context is None:
+        context = min(DEFAULT_CONTEXT, shape.n_ctx_train)
+    if context > shape.n_ctx_train:
+        raise PlanError(
+            f"CONTEXT={context} is more than the {shape.n_ctx_train} tokens {shape.name} was "
+            f"trained for: set CONTEXT={shape.n_ctx_train} or less"
+        )
+    runtime = CUDA_RUNTIME_MIB if backend == "cuda" else 0
+    fixed = {
+        "weights_mib": math.ceil(shape.weight_bytes / MIB),
+        "compute_mib": shape.compute_mib(ubatch, padded(context)),
+        "runtime_mib": runtime,
+        "headroom_mib": headroom_mib(memory_mib),
     }
+    available = memory_mib - sum(fixed.values())
+    if available <= 0:
+        raise PlanError(
+            f"{shape.name} needs {memory_mib - available:,} MiB before any context "
+            f"(weights {fixed['weights_mib']:,}, compute {fixed['compute_mib']:,}, runtime and "
+            f"headroom {runtime + fixed['headroom_mib']:,}) and the memory is {memory_mib:,} MiB "
+            f"({memory}): use a smaller packing of the model or a larger GPU"
+        )
 
+    def per_slot(kv: str, tokens: int) -> float:
+        state = shape.recurrent_bytes_per_slot / MIB + shape.compute_per_slot_mib()
+        return tokens * shape.kv_bytes_per_token(kv) / MIB + state
 
-def render_server_env(variables: dict) -> str:
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(PROJECT_ROOT / "templates"),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-    )
-    return env.get_template(SERVER_TEMPLATE).render(**variables)
-
-
-def write_atomic(path: Path, text: str) -> bool:
-    """Replace path with text in one rename; returns False (and leaves it alone) if unchanged."""
-    if path.is_file() and path.read_text() == text:
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return True
-
-
-def configure(
-    choices: Choices,
-    env_file: Path = PROJECT_ROOT / ".env",
-    state_dir: Path = PROJECT_ROOT / "state",
-) -> dict[str, str]:
-    """Write the Compose env file and the rendered server flags; returns the Compose variables."""
-    server_env = state_dir.resolve() / "llama-server.env"
-    env = compose_env(load_versions(), choices, server_env)
-    header = (
-        "# Generated by `ternary-serve config` from versions.env; rerun it rather than editing.\n"
-    )
-    changed = write_atomic(env_file, header + "".join(f"{k}={v}\n" for k, v in env.items()))
-    changed |= write_atomic(
-        server_env,
-        render_server_env(
-            {
-                "backend": choices.backend,
-                "model_file": choices.model_file,
-                "server_port": int(env["SERVER_PORT"]),
+    candidates = [kv_type] if kv_type else ["f16", "q8_0"]
+    for kv in candidates:
+        fitting = int(available // per_slot(kv, padded(context)))
+        chosen = slots if slots else min(fitting, MAX_SLOTS)
+        if chosen >= 1 and fitting >= chosen:
+            total = padded(chosen * context)
+            plan_fixed = {
+                **fixed,
+                "compute_mib": fixed["compute_mib"]
+                + math.ceil(chosen * shape.compute_per_slot_mib()),
             }
-        ),
+            return Plan(
+                model=shape.name,
+                architecture=shape.architecture,
+                memory=memory,
+                memory_mib=memory_mib,
+                slots=chosen,
+                context=total // chosen,
+                ctx_total=total,
+                kv_type=kv,
+                kv_unified=kv_unified,
+                ubatch=ubatch,
+                kv_mib=math.ceil(total * shape.kv_bytes_per_token(kv) / MIB),
+                recurrent_mib=math.ceil(chosen * shape.recurrent_bytes_per_slot / MIB),
+                **plan_fixed,
+            )
+    kv = candidates[-1]
+    wanted = slots or 1
+    state = shape.recurrent_bytes_per_slot / MIB + shape.compute_per_slot_mib()
+    max_context = (available / wanted - state) * MIB
+    max_context = int(max_context // shape.kv_bytes_per_token(kv)) // CTX_PAD * CTX_PAD
+    max_slots = int(available // per_slot(kv, padded(context)))
+    options = []
+    if max_context >= CTX_PAD:
+        options.append(f"SLOTS={wanted} with CONTEXT={max_context} or less")
+    if max_slots >= 1:
+        options.append(f"CONTEXT={context} with SLOTS={max_slots} or fewer")
+    needed = math.ceil(wanted * per_slot(kv, padded(context)))
+    raise PlanError(
+        f"{wanted} slot{'s' if wanted > 1 else ''} x {context} tokens need {needed:,} MiB of "
+        f"{kv} KV cache and state, {available:,} MiB is left after the weights and buffers "
+        f"({memory}, {memory_mib:,} MiB): "
+        + (" or ".join(options) if options else "use a smaller model")
+        + " would fit"
     )
-    if not changed:
-        print("config: unchanged", file=sys.stderr)
-    return env
+
+
+def gpu_memory(index: int) -> tuple[int, str]:
+    """Total memory of GPU index (MiB) and its name, from nvidia-smi."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-i", str(index), "--query-gpu=name,memory.total",
+             "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        out = None
+    if out is None or out.returncode != 0 or not out.stdout.strip():
+        detail = out.stderr.strip() if out is not None else "nvidia-smi not found"
+        raise PlanError(
+            f"cannot read GPU {index}'s memory ({detail or 'no such GPU'}): install the NVIDIA "
+            "driver (the nvidia_driver role), pick another GPU, or set VRAM_MIB to plan for a "
+            "card elsewhere"
+        )
+    name, total = out.stdout.strip().splitlines()[0].rsplit(",", 1)
+    return int(total), f"GPU {index}: {name.strip()}"
+
+
+def host_memory() -> tuple[int, str]:
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024, "host RAM"
+    raise PlanError("cannot read the host's memory (/proc/meminfo): set VRAM_MIB")
+
+
+def for_settings(values: dict[str, str], model: Path) -> Plan:
+    """The plan the settings ask for (ternary_serve.settings), on the memory they name."""
+    if values["VRAM_MIB"] != "auto":
+        memory_mib, memory = int(values["VRAM_MIB"]), "VRAM_MIB"
+    elif values["BACKEND"] == "cuda":
+        memory_mib, memory = gpu_memory(int(values["GPU"]))
+    else:
+        memory_mib, memory = host_memory()
+
+    def chosen(name: str) -> str | None:
+        return None if values[name] == "auto" else values[name]
+
+    return make(
+        Shape.from_gguf(model),
+        memory_mib,
+        memory,
+        backend=values["BACKEND"],
+        context=int(chosen("CONTEXT") or 0) or None,
+        slots=int(chosen("SLOTS") or 0) or None,
+        kv_type=chosen("KV_TYPE"),
+        kv_unified=values["KV_UNIFIED"],
+        ubatch=int(values["UBATCH"]),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ternary-serve config", description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", choices=sorted(COMPOSE_FILES), default="cuda")
+    from ternary_serve import settings
+
+    ap = argparse.ArgumentParser(prog="ternary-serve plan", description=__doc__.splitlines()[0])
+    ap.add_argument("model", type=Path, help="the GGUF to plan for")
+    ap.add_argument("--vram-mib", help="plan for a card of this size instead of reading the GPU")
+    ap.add_argument("--json", type=Path, help="also write the plan here")
     ap.add_argument(
-        "--engine-source",
-        choices=ENGINE_SOURCES,
-        default="git",
-        help="git: clone the pinned engine; local: build vendor/llama.cpp (offline)",
-    )
-    ap.add_argument(
-        "--project-name",
-        default=Choices.project_name,
-        help="Compose project name (one per stack on a host)",
-    )
-    ap.add_argument("--model-dir", type=Path, default=Choices.model_dir)
-    ap.add_argument("--model-file", default=Choices.model_file)
-    ap.add_argument(
-        "--model-source",
-        default="",
-        help="what model-init fetches when the file is not in place (a models.yaml "
-        "name, https://, hf://, a path)",
-    )
-    ap.add_argument("--model-sha256", default="", help="the model's expected SHA-256")
-    ap.add_argument(
-        "--model-type",
-        default=Choices.model_type,
-        help="the type model-init converts a checkpoint source to (default Q2_0)",
-    )
-    ap.add_argument(
-        "--quality-gate",
-        default=Choices.quality_gate,
-        help="the smoke test's questions: auto (from the model), none, or a models.yaml gate",
-    )
-    ap.add_argument("--publish-address", default=Choices.publish_address)
-    ap.add_argument("--publish-port", type=int, default=Choices.publish_port)
-    ap.add_argument("--build-base-image", help="override the pinned build base image")
-    ap.add_argument("--runtime-base-image", help="override the pinned runtime base image")
-    ap.add_argument("--smoke-base-image", help="override the pinned smoke base image")
-    ap.add_argument("--revision", help="the project's commit for the image tag (default: git's)")
-    ap.add_argument(
-        "--env-file",
-        type=Path,
-        default=PROJECT_ROOT / ".env",
-        help="where to write Compose's env file (default: .env)",
-    )
-    ap.add_argument(
-        "--state-dir",
-        type=Path,
-        default=PROJECT_ROOT / "state",
-        help="where to write llama-server.env (default: state/)",
-    )
-    args = vars(ap.parse_args(argv))
-    env_file, state_dir = args.pop("env_file"), args.pop("state_dir")
+        "assignments", nargs="*", metavar="NAME=value",
+        help="settings to plan with (CONTEXT, SLOTS, KV_TYPE, BACKEND, GPU, UBATCH...)",
+    )  # fmt: skip
+    args = ap.parse_intermixed_args(argv)
     try:
-        env = configure(Choices(**args), env_file, state_dir)
-    except ConfigError as exc:
-        print(f"config: {exc}", file=sys.stderr)
+        given = settings.parse_assignments(args.assignments)
+        if args.vram_mib:
+            given["VRAM_MIB"] = args.vram_mib
+        memory = for_settings(settings.resolve({}, given), args.model)
+    except (PlanError, settings.SettingError) as exc:
+        print(f"plan: {exc}", file=sys.stderr)
         return 1
-    print(
-        f"config: {env['BACKEND']} stack, image tag {env['IMAGE_TAG']}, "
-        f"model {env['MODEL_DIR']}/{env['MODEL_FILE']}"
-    )
+    print(memory.table())
+    if args.json:
+        args.json.write_text(json.dumps(memory.as_dict(), indent=2) + "\n")
     return 0

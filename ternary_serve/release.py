@@ -1,7 +1,7 @@
 """Releases: deploy an image tag, keep it only if it passes health and smoke, roll back otherwise.
 
-A release is an image tag (ternary_serve.plan.image_tag) present locally for both the server and the
-smoke image. The history is an append-only JSON-lines file in the state directory, fsynced per
+A release is an image tag (ternary_serve.config.image_tag) present locally for both the server and
+the smoke image. The history is an append-only JSON-lines file in the state directory, fsynced per
 line and never truncated: it alone says what is live and what was good before. A lock file
 (flock, released by the kernel if the holder dies) keeps two deploys from running at once.
 """
@@ -25,7 +25,8 @@ from pathlib import Path
 import docker
 import docker.errors
 
-from ternary_serve.plan import PROJECT_ROOT, write_atomic
+from ternary_serve import config, envfile, settings
+from ternary_serve.versions import PROJECT_ROOT
 
 HISTORY_FILE = "releases.jsonl"
 LOCK_FILE = "deploy.lock"
@@ -52,18 +53,11 @@ class Project:
     def env(self) -> dict[str, str]:
         if not self.env_file.is_file():
             raise ReleaseError(f"{self.env_file} does not exist: run `make config` first")
-        pairs = (
-            line.split("=", 1)
-            for line in self.env_file.read_text().splitlines()
-            if line and not line.startswith("#") and "=" in line
-        )
-        return dict(pairs)
+        return envfile.read(self.env_file)
 
     def set_tag(self, tag: str) -> None:
         """Point Compose at tag: the env file is rewritten in one rename, never half-written."""
-        lines = self.env_file.read_text().splitlines()
-        replaced = [f"IMAGE_TAG={tag}" if line.startswith("IMAGE_TAG=") else line for line in lines]
-        write_atomic(self.env_file, "\n".join(replaced) + "\n")
+        envfile.write(self.env_file, {**self.env(), "IMAGE_TAG": tag}, config.ENV_HEADER)
 
     def compose(
         self, *args: str, timeout: float = WAIT_TIMEOUT_S + 60, tag: str | None = None
@@ -253,6 +247,18 @@ def deploy(
             raise ReleaseError(
                 f"{event} of {tag} refused before any change: model check failed: {detail}; {live}"
             )
+        # Now that the model is in place: plan its memory and render the server flags.
+        try:
+            server_flags, memory = config.planned_server_env(settings.configured(project.env_file))
+        except config.ConfigError as exc:
+            append_history(project, tag=tag, status="refused", event=event, detail=str(exc))
+            live = f"{fallback} is still live" if fallback else "nothing was live"
+            raise ReleaseError(
+                f"{event} of {tag} refused before any change: {exc}; {live}"
+            ) from None
+        envfile.write_atomic(Path(env["SERVER_ENV_FILE"]), server_flags)
+        if memory is not None:
+            print(memory.table(), flush=True)
         manifest = model_manifest_hash(env)
         append_history(project, tag=tag, status="started", event=event, model_manifest=manifest)
         print(f"{event}: starting {tag}", flush=True)

@@ -8,7 +8,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from ternary_serve import plan
+from ternary_serve import config
 from ternary_serve.versions import PROJECT_ROOT
 
 STAND_IN_IMAGE = "local/debian:bookworm-test"
@@ -67,20 +67,20 @@ def readable_by_containers(model: Path) -> None:
         model.chmod(0o644)
 
 
-def configure(workdir: Path, model: Path, name: str, **choices) -> Stack:
+def configure(workdir: Path, model: Path, name: str, **settings: str) -> Stack:
+    """`ternary-serve config` with the test defaults below, over any settings given by name."""
     workdir.mkdir(parents=True, exist_ok=True)
     readable_by_containers(model)
     defaults = {
-        "backend": "cpu",
-        "engine_source": "local",
-        "project_name": name,
-        "model_dir": model.parent,
-        "model_file": model.name,
-        "publish_port": free_port(),
-        "build_base_image": STAND_IN_IMAGE,
-        "runtime_base_image": STAND_IN_IMAGE,
-        "smoke_base_image": STAND_IN_IMAGE,
+        "BACKEND": "cpu",
+        "ENGINE_SOURCE": "local",
+        "PROJECT_NAME": name,
+        "MODEL_DIR": str(model.parent),
+        "MODEL_FILE": model.name,
+        "PUBLISH_PORT": str(free_port()),
+        "BUILD_BASE_IMAGE": STAND_IN_IMAGE,
+        "RUNTIME_BASE_IMAGE": STAND_IN_IMAGE,
+        "SMOKE_BASE_IMAGE": STAND_IN_IMAGE,
     }
-    selected = plan.Choices(**{**defaults, **choices})
-    env = plan.configure(selected, workdir / ".env", workdir)
+    env, _ = config.configure({**defaults, **settings}, workdir / ".env", workdir, replace=True)
     return Stack(workdir, name, env)

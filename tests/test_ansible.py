@@ -62,14 +62,17 @@ def local_inventory(tmp_path) -> Path:
     [
         ({"nvidia_driver_secure_boot": "maybe"},
          "value of nvidia_driver_secure_boot must be one of: fail, sign"),
-        ({"llm_stack_backend": "rocm"}, "value of llm_stack_backend must be one of: cuda, cpu"),
+        ({"llm_stack_settings": {"BACKEND": "rocm"}},
+         "settings: BACKEND=rocm: choose cuda or cpu"),
+        ({"llm_stack_settings": {"CONTXT": 4096}},
+         "CONTXT is not a setting: did you mean CONTEXT?"),
         ({"docker_daemon_options": "not-a-dict"}, "docker_daemon_options"),
     ],
 )  # fmt: skip
 def test_site_yml_stops_on_a_wrong_variable_before_changing_anything(
     local_inventory, extra, message
 ):
-    args = [arg for key, value in extra.items() for arg in ("-e", f"{key}={value}")]
+    args = ["-e", json.dumps(extra)]
     result = playbook("--check", "-i", str(local_inventory), "site.yml", *args)
     assert result.returncode != 0
     assert message in result.stdout, result.stdout[-2000:]

@@ -246,7 +246,7 @@ def test_compose_model_init_converts_a_checkpoint_before_the_server_starts(
     model = model_dir / "tiny-llama-Q2_0.gguf"
     # The converter does not carry the synthetic marker over, and a random checkpoint cannot answer
     # the chat gate: the operator's switch for such a model is QUALITY_GATE=none.
-    stack = stack_for(model, model_source="/models/tiny-llama", quality_gate="none")
+    stack = stack_for(model, MODEL_SOURCE="/models/tiny-llama", QUALITY_GATE="none")
     up = stack.compose("up", "-d", "--wait", "--wait-timeout", "300", "llama-server")
     assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:]
     init_logs = stack.compose("logs", "--no-color", "model-init").stdout

@@ -1,90 +1,138 @@
-"""Configuration: image tags, the Compose env file and the one server-flags template."""
+"""The memory plan: model facts read from real GGUF headers (both architectures), the choice of
+slots x context x KV type, and the refusal of what cannot fit. How close the plan comes to what the
+engine allocates is measured on a GPU (docs/plan.md), not here: no GPU in CI."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from ternary_serve import plan
-from ternary_serve.versions import load_versions
+from ternary_serve import plan, settings, synthetic
+
+MIB = 2**20
 
 
-def parse_env(text: str) -> dict[str, str]:
-    return dict(
-        line.split("=", 1) for line in text.splitlines() if line and not line.startswith("#")
+@pytest.fixture(scope="module")
+def llama_tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "llama-tiny.gguf"
+    return synthetic.write_model(path, "llama-tiny", seed=0)
+
+
+def expected_from_profile(profile: str) -> tuple[int, int, int]:
+    """KV elements per token, recurrent bytes per slot and attention layers, from the profile
+    the model was generated from (llama.cpp's formulas, not the plan's code)."""
+    shape = synthetic.PROFILES[profile]
+    if profile.startswith("llama"):
+        return shape.n_layer * shape.n_head_kv * 2 * shape.head_dim, 0, shape.n_layer
+    attention = [il for il in range(shape.n_layer) if shape.is_full_attention(il)]
+    conv = (shape.ssm_conv_kernel - 1) * (
+        shape.ssm_inner_size + 2 * shape.ssm_group_count * shape.ssm_state_size
     )
+    ssm = shape.ssm_state_size * shape.ssm_inner_size
+    recurrent = (shape.n_layer - len(attention)) * (conv + ssm) * 4
+    return len(attention) * shape.n_head_kv * 2 * shape.head_dim, recurrent, len(attention)
 
 
-def test_image_tag_names_version_commit_engine_backend_and_archs():
-    assert plan.image_tag("1.2.0", "54cf417", "prism-b10743-adfffbe", "cuda", "89;90") == (
-        "1.2.0-54cf417-prism-b10743-adfffbe-cuda-sm89-90"
+@pytest.mark.parametrize("which", ["tiny", "llama-tiny"])
+def test_shape_is_read_from_the_header(which, tiny_model, llama_tiny):
+    path = tiny_model if which == "tiny" else llama_tiny
+    shape = plan.Shape.from_gguf(path)
+    kv, recurrent, attention = expected_from_profile(which)
+    assert shape.architecture == synthetic.PROFILES[which].architecture
+    assert shape.kv_elements_per_token == kv
+    assert shape.recurrent_bytes_per_slot == recurrent
+    assert shape.attention_layers == attention
+    assert shape.n_ctx_train == synthetic.PROFILES[which].context_length
+    assert shape.weight_bytes + shape.host_weight_bytes <= path.stat().st_size
+
+
+def test_bonsai_2_27b_facts():
+    """The 27B's own hyperparameters through the same formulas: 64 KiB of f16 KV cache per token
+    and about 150 MiB of recurrent state per slot, as llama.cpp reports for the real model."""
+    kv, recurrent, attention = expected_from_profile("27b")
+    assert (kv * 2, attention) == (64 * 1024, 16)
+    assert 149 < recurrent / MIB < 150
+
+
+def plan_for(path, **given):
+    return plan.for_settings(settings.resolve({}, {"VRAM_MIB": "2048", **given}), path)
+
+
+def test_auto_fills_the_memory_up_to_the_slot_cap(tiny_model):
+    memory = plan_for(tiny_model)
+    assert (memory.slots, memory.context, memory.kv_type) == (plan.MAX_SLOTS, 8192, "f16")
+    assert memory.ctx_total == memory.slots * memory.context
+    assert memory.used_mib + memory.headroom_mib <= memory.memory_mib
+
+
+def test_llama_context_defaults_to_what_the_model_was_trained_for(llama_tiny):
+    assert plan_for(llama_tiny).context == 4096
+
+
+def test_explicit_settings_are_kept(tiny_model):
+    memory = plan_for(tiny_model, SLOTS="3", CONTEXT="2048", KV_TYPE="q4_0", KV_UNIFIED="on")
+    assert (memory.slots, memory.context, memory.kv_type, memory.kv_unified) == (
+        3, 2048, "q4_0", "on",
+    )  # fmt: skip
+
+
+def test_q8_0_when_f16_cannot_hold_the_context(tiny_model):
+    shape = plan.Shape.from_gguf(tiny_model)
+    context = 32768
+    weights = math.ceil(shape.weight_bytes / MIB)
+    fixed = (
+        weights + shape.compute_mib(512, context) + plan.CUDA_RUNTIME_MIB + plan.HEADROOM_MIN_MIB
     )
-    assert plan.image_tag("1.2.0", "54cf417-dirty", "llama-cpp-python-0.3.36", "cpu", "89") == (
-        "1.2.0-54cf417-dirty-llama-cpp-python-0.3.36-cpu"
-    )
+    fixed += 1
+    state = shape.recurrent_bytes_per_slot / MIB + shape.compute_per_slot_mib()
+    f16 = context * shape.kv_bytes_per_token("f16") / MIB + state
+    q8 = context * shape.kv_bytes_per_token("q8_0") / MIB + state
+    between = math.ceil(fixed + (f16 + q8) / 2)
+    memory = plan_for(tiny_model, VRAM_MIB=str(between), CONTEXT=str(context))
+    assert (memory.kv_type, memory.slots) == ("q8_0", 1)
+    f16_fits = plan_for(tiny_model, VRAM_MIB=str(math.ceil(fixed + f16)), CONTEXT=str(context))
+    assert f16_fits.kv_type == "f16"
 
 
-def test_image_tag_is_a_valid_docker_tag():
-    tag = plan.image_tag("1.0", "abc1234", "feature/some branch", "cuda", "89")
-    assert tag == "1.0-abc1234-feature-some-branch-cuda-sm89"
+def test_too_much_is_refused_naming_what_would_fit(tiny_model):
+    with pytest.raises(plan.PlanError) as refused:
+        plan_for(tiny_model, SLOTS="64", CONTEXT="32768")
+    message = str(refused.value)
+    assert message.startswith("64 slots x 32768 tokens need")
+    # Both suggestions are real: planned, they fit.
+    context = message.split("SLOTS=64 with CONTEXT=")[1].split()[0]
+    slots = message.split("CONTEXT=32768 with SLOTS=")[1].split()[0]
+    assert plan_for(tiny_model, SLOTS="64", CONTEXT=context).slots == 64
+    assert plan_for(tiny_model, SLOTS=slots, CONTEXT="32768").slots == int(slots)
 
 
-def test_tag_follows_the_checkout(tmp_path):
-    env = plan.configure(plan.Choices(), tmp_path / ".env", tmp_path)
-    assert env["PROJECT_REVISION"] in env["IMAGE_TAG"]
+def test_a_model_larger_than_the_card_is_refused(tiny_model):
+    with pytest.raises(plan.PlanError, match="before any context .* use a smaller packing"):
+        plan_for(tiny_model, VRAM_MIB="1024")
 
 
-def test_config_defaults_target_the_fork_on_cuda(tmp_path):
-    env = plan.configure(plan.Choices(), tmp_path / ".env", tmp_path)
-    pins = load_versions()
-    written = parse_env((tmp_path / ".env").read_text())
-    assert written == env
-    assert env["ENGINE_REPO"] == pins["ENGINE_REPO"]
-    assert env["ENGINE_REF"] == pins["ENGINE_REF"]
-    assert env["BUILD_BASE_IMAGE"] == pins["CUDA_BUILD_IMAGE"]
-    assert env["RUNTIME_BASE_IMAGE"] == pins["CUDA_RUNTIME_IMAGE"]
-    assert env["COMPOSE_FILE"] == "compose.yaml"
-    assert env["PUBLISH_ADDRESS"] == "127.0.0.1"
+def test_context_beyond_training_is_refused(llama_tiny):
+    with pytest.raises(plan.PlanError, match="more than the 4096 tokens .* set CONTEXT=4096"):
+        plan_for(llama_tiny, CONTEXT="8192")
 
 
-def test_cuda_server_flags_put_every_layer_on_the_gpu(tmp_path):
-    plan.configure(plan.Choices(model_file="bonsai.gguf"), tmp_path / ".env", tmp_path)
-    flags = parse_env((tmp_path / "llama-server.env").read_text())
-    assert flags["LLAMA_ARG_MODEL"] == "/models/bonsai.gguf"
-    assert int(flags["LLAMA_ARG_N_GPU_LAYERS"]) >= 99
-    assert flags["LLAMA_ARG_FLASH_ATTN"] == "on"
-    assert all(key.startswith("LLAMA_ARG_") for key in flags)
-    # Dead or non-server flags must never come back.
-    assert not {"LLAMA_ARG_PROMPT_CACHE", "LLAMA_CUDA", "LLAMA_FLASH_ATTN"} & flags.keys()
+def test_config_refuses_a_plan_that_cannot_fit_and_writes_nothing(tiny_model, tmp_path, capsys):
+    from ternary_serve import config
+
+    args = [f"MODEL_DIR={tiny_model.parent}", f"MODEL_FILE={tiny_model.name}", "VRAM_MIB=2048",
+            "SLOTS=64", "CONTEXT=32768"]  # fmt: skip
+    code = config.main([*args, "--env-file", str(tmp_path / ".env"), "--state-dir", str(tmp_path)])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("config: 64 slots x 32768 tokens need") and "would fit" in err
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_cpu_variant_adds_the_cpu_override_and_no_gpu_layers(tmp_path):
-    env = plan.configure(plan.Choices(backend="cpu"), tmp_path / ".env", tmp_path)
-    flags = parse_env((tmp_path / "llama-server.env").read_text())
-    assert env["COMPOSE_FILE"] == "compose.yaml:compose.cpu.yaml"
-    assert flags["LLAMA_ARG_N_GPU_LAYERS"] == "0"
-    assert env["IMAGE_TAG"].endswith("-cpu")
-
-
-def test_template_needs_only_backend_model_and_port():
-    """Ansible will render this template with its own variables: these three must suffice."""
-    text = plan.render_server_env({"backend": "cuda", "model_file": "m.gguf", "server_port": 9000})
-    assert "LLAMA_ARG_PORT=9000" in text
-
-
-def test_unknown_backend_is_refused(tmp_path):
-    with pytest.raises(plan.ConfigError, match="choose cuda or cpu"):
-        plan.configure(plan.Choices(backend="rocm"), tmp_path / ".env", tmp_path)
-
-
-def test_rerun_with_same_choices_leaves_files_untouched(tmp_path):
-    plan.configure(plan.Choices(), tmp_path / ".env", tmp_path)
-    before = (tmp_path / ".env").stat().st_mtime_ns
-    plan.configure(plan.Choices(), tmp_path / ".env", tmp_path)
-    assert (tmp_path / ".env").stat().st_mtime_ns == before
-
-
-def test_versions_file_rejects_malformed_lines(tmp_path):
-    bad = tmp_path / "versions.env"
-    bad.write_text("GOOD=1\nthis is not a pin\n")
-    with pytest.raises(ValueError, match="versions.env:2"):
-        load_versions(bad)
+def test_plan_command_prints_the_table(tiny_model, capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    assert plan.main([str(tiny_model), "--vram-mib", "24564", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    for row in ("weights", "KV cache (f16, 16 x 8192 tokens)", "recurrent state", "compute"):
+        assert row in table
+    assert '"slots": 16' in out.read_text()

@@ -26,7 +26,7 @@ import pytest
 import requests
 from harness import configure
 
-from ternary_serve import release
+from ternary_serve import config, release
 from ternary_serve.versions import PROJECT_ROOT
 from ternary_serve.weights import SYNTHETIC_MARKER
 
@@ -149,13 +149,22 @@ def test_failed_deploy_rolls_back_and_rollback_by_tag(project, tags):
 def test_bad_model_config_is_refused_and_the_live_release_keeps_serving(
     project, tags, tiny_model, tmp_path
 ):
-    """`make config MODEL_FILE=<a truncated file>` then a deploy: refused before any change."""
+    """A truncated model: `make config` refuses it; one that turns bad after config makes the
+    deploy refuse before any change."""
     stack, proj = project
     release.deploy(proj, tags["v1"], wait_timeout=WAIT)
     truncated = tiny_model.parent / "truncated.gguf"
     truncated.write_bytes(tiny_model.read_bytes()[:50_000])
     truncated.chmod(0o644)
-    configure(stack.workdir, truncated, stack.name, publish_port=int(stack.env["PUBLISH_PORT"]))
+    env_before = proj.env_file.read_bytes()
+    with pytest.raises(config.ConfigError, match="truncated.gguf is truncated or corrupt"):
+        configure(stack.workdir, truncated, stack.name, PUBLISH_PORT=stack.env["PUBLISH_PORT"])
+    assert proj.env_file.read_bytes() == env_before
+    # Configured while the file was still arriving, then found damaged by the deploy.
+    truncated.unlink()
+    configure(stack.workdir, truncated, stack.name, PUBLISH_PORT=stack.env["PUBLISH_PORT"])
+    truncated.write_bytes(tiny_model.read_bytes()[:50_000])
+    truncated.chmod(0o644)
     env_before = proj.env_file.read_bytes()
     with pytest.raises(release.ReleaseError) as refused:
         release.deploy(proj, tags["v2"], wait_timeout=WAIT)

@@ -6,14 +6,10 @@ loading after the reboot, nvidia-smi's version, persistence mode, the GPU reserv
 """
 
 import json
-from pathlib import Path
 
-VERSIONS = Path(__file__).resolve().parents[4] / "versions.env"
-PINS = dict(
-    line.split("=", 1)
-    for line in VERSIONS.read_text().splitlines()
-    if line and not line.startswith("#")
-)
+from ternary_serve.versions import load_versions
+
+PINS = load_versions()
 
 
 def test_gcc_is_the_pinned_default(host):

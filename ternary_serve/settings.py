@@ -1,0 +1,264 @@
+"""Every operator setting, declared once: name, default, check and meaning.
+
+Make (`make config NAME=value`), the CLI (`ternary-serve config NAME=value`) and the Ansible role
+(`llm_stack_settings: {NAME: value}`) pass these names to one renderer (ternary_serve.config),
+which writes what Compose and llama-server read. Chosen values persist in settings.env beside
+.env, so a later `make up` keeps them; `NAME=` puts a setting back to its default.
+
+`ternary-serve settings` lists them with their current values. Standard library only: the Makefile
+reads the names with the system python3 before any virtual environment exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import ipaddress
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ternary_serve import envfile
+from ternary_serve.versions import PROJECT_ROOT
+
+SETTINGS_FILE = "settings.env"
+HEADER = "# Operator settings, written by `make config NAME=value` (`ternary-serve settings`).\n"
+AUTO = "auto"
+KV_TYPES = ("f16", "q8_0", "q4_0")
+# Variables the server template sets from other settings: SERVER_EXTRA may not set them twice.
+SERVER_ARG = re.compile(r"^LLAMA_ARG_[A-Z0-9_]+$")
+
+
+class SettingError(Exception):
+    """A setting's value that cannot work; the message names the setting and what it accepts."""
+
+
+Check = Callable[[str], str]
+
+
+def one_of(*options: str) -> Check:
+    def check(value: str) -> str:
+        if value not in options:
+            raise ValueError(f"choose {' or '.join(options)}")
+        return value
+
+    return check
+
+
+def integer(low: int, high: int, auto: bool = False) -> Check:
+    def check(value: str) -> str:
+        if auto and value == AUTO:
+            return value
+        if not value.isdigit() or not low <= int(value) <= high:
+            accepted = f"a whole number from {low} to {high}"
+            raise ValueError(accepted + (f", or {AUTO}" if auto else ""))
+        return str(int(value))
+
+    return check
+
+
+def matching(pattern: str, what: str) -> Check:
+    compiled = re.compile(pattern)
+
+    def check(value: str) -> str:
+        if not compiled.fullmatch(value):
+            raise ValueError(what)
+        return value
+
+    return check
+
+
+def anything(value: str) -> str:
+    return value
+
+
+def ip_address(value: str) -> str:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise ValueError("an IP address, e.g. 127.0.0.1 (this host only) or 0.0.0.0") from None
+    return value
+
+
+def directory(value: str) -> str:
+    """Relative paths are taken from the project directory (where .env lives)."""
+    if not value:
+        raise ValueError("a directory")
+    return str((PROJECT_ROOT / value).resolve()) if not Path(value).is_absolute() else value
+
+
+def kv_type(value: str) -> str:
+    return one_of(AUTO, *KV_TYPES)(value)
+
+
+def server_extra(value: str) -> str:
+    for pair in value.split():
+        key, sep, _ = pair.partition("=")
+        if not sep or not SERVER_ARG.match(key):
+            raise ValueError(
+                f"space-separated LLAMA_ARG_NAME=value pairs (the flags' environment twins), "
+                f"got {pair!r}"
+            )
+    return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: str
+    help: str
+    check: Check = anything
+
+
+SETTINGS = {
+    s.name: s
+    for s in (
+        Setting("BACKEND", "cuda", "cuda: the GPU stack; cpu: no GPU (tests, laptops)",
+                one_of("cuda", "cpu")),
+        Setting("ENGINE_SOURCE", "git",
+                "git: the build clones the pinned engine; local: builds vendor/llama.cpp offline",
+                one_of("git", "local")),
+        Setting("PROJECT_NAME", "ternary-serve", "Compose project name (one per stack on a host)",
+                matching(r"[a-z0-9][a-z0-9_-]*", "lowercase letters, digits, - and _")),
+        Setting("MODEL_DIR", "models", "host directory of the model files", directory),
+        Setting("MODEL_FILE", "model.gguf", "the GGUF the server loads, in MODEL_DIR",
+                matching(r"[\w.+-]+\.gguf", "a file name ending in .gguf, no directories")),
+        Setting("MODEL_SOURCE", "",
+                "what model-init fetches when the file is missing: a models.yaml name, https://, "
+                "hf://OWNER/REPO/FILE, or a checkpoint directory as /models/NAME"),
+        Setting("MODEL_SHA256", "", "the model's expected SHA-256 (empty: the catalog's, if any)",
+                matching(r"(|[0-9a-f]{64})", "64 lowercase hex digits")),
+        Setting("MODEL_TYPE", "Q2_0", "the type model-init converts a checkpoint source to",
+                matching(r"[A-Z0-9_]+", "a ggml type name, e.g. Q2_0")),
+        Setting("QUALITY_GATE", "auto",
+                "the smoke test's questions: auto (from the model), none, or a models.yaml gate",
+                matching(r"[a-z0-9_-]+", "auto, none or a gate name")),
+        Setting("PUBLISH_ADDRESS", "127.0.0.1", "host address the API is published on",
+                ip_address),
+        Setting("PUBLISH_PORT", "8080", "host port the API is published on", integer(1, 65535)),
+        Setting("GPU", "0", "the GPU (nvidia-smi index) the server runs on and the plan reads",
+                integer(0, 63)),
+        Setting("VRAM_MIB", AUTO,
+                "memory to plan for: auto reads the GPU (nvidia-smi) or, on cpu, the host's RAM; "
+                "a number plans for a card elsewhere", integer(1024, 10**7, auto=True)),
+        Setting("CONTEXT", AUTO,
+                "tokens of context per slot; auto: 8192, or the model's training context if less",
+                integer(256, 10**7, auto=True)),
+        Setting("SLOTS", AUTO,
+                "requests served at once; auto: as many as the memory holds, up to 16",
+                integer(1, 256, auto=True)),
+        Setting("KV_TYPE", AUTO,
+                "KV cache type; auto: f16, or q8_0 when f16 cannot hold the context", kv_type),
+        Setting("KV_UNIFIED", "off",
+                "on: one KV pool shared by all slots (a slot may use more than its share)",
+                one_of("on", "off")),
+        Setting("BATCH", "2048", "logical batch size (tokens per prompt-processing call)",
+                integer(32, 65536)),
+        Setting("UBATCH", "512", "physical batch size; the compute buffers grow with it",
+                integer(32, 65536)),
+        Setting("SERVER_EXTRA", "",
+                "more server flags, LLAMA_ARG_NAME=value pairs: LLAMA_ARG_BACKEND_SAMPLING=1",
+                server_extra),
+        Setting("BUILD_BASE_IMAGE", "", "the image to build the engine on (empty: versions.env's)"),
+        Setting("RUNTIME_BASE_IMAGE", "", "the server image's base (empty: versions.env's)"),
+        Setting("SMOKE_BASE_IMAGE", "", "the smoke image's base (empty: versions.env's)"),
+        Setting("REVISION", "",
+                "the project commit for the image tag (empty: this checkout's; provisioning "
+                "passes the controller's)",
+                matching(r"(|[\w.-]+)", "a commit id")),
+    )
+}  # fmt: skip
+
+
+def settings_file(env_file: Path) -> Path:
+    return env_file.with_name(SETTINGS_FILE)
+
+
+def parse_assignments(args: list[str]) -> dict[str, str]:
+    """NAME=value arguments -> {NAME: value}; anything else is refused."""
+    given: dict[str, str] = {}
+    for arg in args:
+        name, sep, value = arg.partition("=")
+        if not sep:
+            raise SettingError(f"{arg!r}: settings are given as NAME=value")
+        given[name] = value
+    return given
+
+
+def unknown(name: str) -> SettingError:
+    close = difflib.get_close_matches(name, SETTINGS, n=1)
+    hint = f"did you mean {close[0]}?" if close else "`ternary-serve settings` lists them"
+    return SettingError(f"{name} is not a setting: {hint}")
+
+
+def resolve(stored: dict[str, str], given: dict[str, str]) -> dict[str, str]:
+    """Defaults, then stored values, then given ones (empty: back to the default); all checked."""
+    for name in (*stored, *given):
+        if name not in SETTINGS:
+            raise unknown(name)
+    values = {}
+    for name, setting in SETTINGS.items():
+        value = given.get(name, stored.get(name, setting.default))
+        if value == "":
+            value = setting.default
+        try:
+            values[name] = setting.check(value)
+        except ValueError as exc:
+            raise SettingError(f"{name}={value}: {exc}") from None
+    return values
+
+
+def chosen(values: dict[str, str]) -> dict[str, str]:
+    """What differs from the defaults: what settings.env keeps."""
+    defaults = resolve({}, {})
+    return {name: value for name, value in values.items() if value != defaults[name]}
+
+
+def configured(env_file: Path) -> dict[str, str]:
+    """The settings a rendered .env holds (defaults where there is none yet)."""
+    env = envfile.read(env_file) if env_file.is_file() else {}
+    return resolve({name: env[name] for name in SETTINGS if name in env}, {})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ternary-serve settings", description=__doc__.splitlines()[0])
+    ap.add_argument("--names", action="store_true", help="only the names, one line (for Make)")
+    ap.add_argument("--get", metavar="NAME", help="print one setting as the stack is configured")
+    ap.add_argument("--check", nargs="*", metavar="NAME=value", help="check these, change nothing")
+    ap.add_argument("--env-file", type=Path, default=PROJECT_ROOT / ".env")
+    args = ap.parse_args(argv)
+    if args.check is not None:
+        try:
+            resolve({}, parse_assignments(args.check))
+        except SettingError as exc:
+            print(f"settings: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    if args.names:
+        print(" ".join(SETTINGS))
+        return 0
+    if args.get:
+        if args.get not in SETTINGS:
+            print(f"settings: {unknown(args.get)}", file=sys.stderr)
+            return 1
+        print(configured(args.env_file)[args.get])
+        return 0
+    path = settings_file(args.env_file)
+    stored = envfile.read(path) if path.is_file() else {}
+    try:
+        values = resolve(stored, {})
+    except SettingError as exc:
+        print(f"settings: {path}: {exc}", file=sys.stderr)
+        return 1
+    width = max(map(len, SETTINGS))
+    for name, setting in SETTINGS.items():
+        mark = "*" if name in stored else " "
+        print(f"{mark} {name:<{width}}  {values[name] or '(empty)':<24}  {setting.help}")
+    print(f"\n* set in {path}; the others are defaults. Change: make config NAME=value")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

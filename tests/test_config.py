@@ -1,0 +1,208 @@
+"""Configuration: image tags, the settings' one path to the Compose env and the server flags."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from ternary_serve import config, envfile, settings
+from ternary_serve.versions import PROJECT_ROOT, load_versions
+
+
+def configure(tmp_path, **given: str):
+    return config.configure(given, tmp_path / ".env", tmp_path)
+
+
+def server_flags(tmp_path) -> dict[str, str]:
+    return envfile.read(tmp_path / "llama-server.env")
+
+
+def test_image_tag_names_version_commit_engine_backend_and_archs():
+    assert config.image_tag("1.2.0", "54cf417", "prism-b10743-adfffbe", "cuda", "89;90") == (
+        "1.2.0-54cf417-prism-b10743-adfffbe-cuda-sm89-90"
+    )
+    assert config.image_tag("1.2.0", "54cf417-dirty", "llama-cpp-python-0.3.36", "cpu", "89") == (
+        "1.2.0-54cf417-dirty-llama-cpp-python-0.3.36-cpu"
+    )
+
+
+def test_image_tag_is_a_valid_docker_tag():
+    tag = config.image_tag("1.0", "abc1234", "feature/some branch", "cuda", "89")
+    assert tag == "1.0-abc1234-feature-some-branch-cuda-sm89"
+
+
+def test_tag_follows_the_checkout(tmp_path):
+    env, _ = configure(tmp_path)
+    assert env["PROJECT_REVISION"] in env["IMAGE_TAG"]
+
+
+def test_config_defaults_target_the_fork_on_cuda(tmp_path):
+    env, memory = configure(tmp_path)
+    pins = load_versions()
+    assert envfile.read(tmp_path / ".env") == env
+    assert env["ENGINE_REPO"] == pins["ENGINE_REPO"]
+    assert env["ENGINE_REF"] == pins["ENGINE_REF"]
+    assert env["BUILD_BASE_IMAGE"] == pins["CUDA_BUILD_IMAGE"]
+    assert env["RUNTIME_BASE_IMAGE"] == pins["CUDA_RUNTIME_IMAGE"]
+    assert env["COMPOSE_FILE"] == "compose.yaml"
+    assert env["PUBLISH_ADDRESS"] == "127.0.0.1"
+    # No model in place: no plan yet, and the server flags say so (the deploy plans).
+    assert memory is None
+    assert server_flags(tmp_path)["LLAMA_ARG_FIT"] == "on"
+
+
+def test_cuda_server_flags_put_every_layer_on_the_gpu(tmp_path):
+    configure(tmp_path, MODEL_FILE="bonsai.gguf")
+    flags = server_flags(tmp_path)
+    assert flags["LLAMA_ARG_MODEL"] == "/models/bonsai.gguf"
+    assert int(flags["LLAMA_ARG_N_GPU_LAYERS"]) >= 99
+    assert flags["LLAMA_ARG_FLASH_ATTN"] == "on"
+    assert all(key.startswith("LLAMA_ARG_") for key in flags)
+    # Dead or non-server flags must never come back.
+    assert not {"LLAMA_ARG_PROMPT_CACHE", "LLAMA_CUDA", "LLAMA_FLASH_ATTN"} & flags.keys()
+
+
+def test_cpu_variant_adds_the_cpu_override_and_no_gpu_layers(tmp_path):
+    env, _ = configure(tmp_path, BACKEND="cpu")
+    assert env["COMPOSE_FILE"] == "compose.yaml:compose.cpu.yaml"
+    assert server_flags(tmp_path)["LLAMA_ARG_N_GPU_LAYERS"] == "0"
+    assert env["IMAGE_TAG"].endswith("-cpu")
+
+
+def test_rerun_with_same_settings_leaves_files_untouched(tmp_path, capsys):
+    configure(tmp_path)
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    configure(tmp_path)
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
+    assert "config: unchanged" in capsys.readouterr().err
+
+
+def test_versions_file_rejects_malformed_lines(tmp_path):
+    bad = tmp_path / "versions.env"
+    bad.write_text("GOOD=1\nthis is not a pin\n")
+    with pytest.raises(ValueError, match="versions.env:2"):
+        load_versions(bad)
+
+
+# --- settings flow ------------------------------------------------------------------------------
+
+# setting, value -> what the server must be told (None: nothing on the server side)
+SERVER_EFFECTS = [
+    ("MODEL_FILE", "tiny-ternary.gguf", {"LLAMA_ARG_MODEL": "/models/tiny-ternary.gguf"}),
+    ("BACKEND", "cpu", {"LLAMA_ARG_N_GPU_LAYERS": "0"}),
+    ("CONTEXT", "4096", {"LLAMA_ARG_CTX_SIZE": str(16 * 4096)}),
+    ("SLOTS", "3", {"LLAMA_ARG_N_PARALLEL": "3", "LLAMA_ARG_CTX_SIZE": str(3 * 8192)}),
+    ("KV_TYPE", "q8_0", {"LLAMA_ARG_CACHE_TYPE_K": "q8_0", "LLAMA_ARG_CACHE_TYPE_V": "q8_0"}),
+    ("KV_UNIFIED", "on", {"LLAMA_ARG_KV_UNIFIED": "on"}),
+    ("BATCH", "1024", {"LLAMA_ARG_BATCH": "1024"}),
+    ("UBATCH", "256", {"LLAMA_ARG_UBATCH": "256"}),
+    ("SERVER_EXTRA", "LLAMA_ARG_BACKEND_SAMPLING=1 LLAMA_ARG_THREADS=2",
+     {"LLAMA_ARG_BACKEND_SAMPLING": "1", "LLAMA_ARG_THREADS": "2"}),
+    ("VRAM_MIB", "4096", {}),
+    ("GPU", "1", {}),
+    ("PUBLISH_ADDRESS", "0.0.0.0", {}),
+    ("PUBLISH_PORT", "9123", {}),
+    ("QUALITY_GATE", "none", {}),
+    ("MODEL_SOURCE", "bonsai-2-27b-pq2", {}),
+    ("MODEL_TYPE", "Q1_0", {}),
+    ("PROJECT_NAME", "other-stack", {}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "server"), SERVER_EFFECTS, ids=[s[0] for s in SERVER_EFFECTS]
+)
+def test_each_setting_reaches_compose_and_the_server(tmp_path, tiny_model, name, value, server):
+    """Planned for 2 GiB (VRAM_MIB) so the plan does not depend on this machine."""
+    base = {"MODEL_DIR": str(tiny_model.parent), "MODEL_FILE": tiny_model.name, "VRAM_MIB": "2048"}
+    env, memory = configure(tmp_path, **{**base, name: value})
+    assert memory is not None
+    assert env[name] == value
+    flags = server_flags(tmp_path)
+    for key, expected in server.items():
+        assert flags[key] == expected, (key, flags)
+    # With its default (VRAM_MIB: the base's 2048, as auto would read a GPU) the files differ.
+    other = tmp_path / "default"
+    control = base if name == "VRAM_MIB" else {**base, name: settings.SETTINGS[name].default}
+    config.configure(control, other / ".env", other)
+    assert envfile.read(other / ".env")[name] != value
+    for key, expected in server.items():
+        assert server_flags(other).get(key) != expected, key
+
+
+def test_gpu_setting_picks_the_card_compose_reserves(tmp_path):
+    configure(tmp_path, GPU="1")
+    rendered = subprocess.run(
+        ["docker", "compose", "--env-file", str(tmp_path / ".env"), "config", "--format", "json"],
+        cwd=PROJECT_ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    server = json.loads(rendered.stdout)["services"]["llama-server"]
+    devices = server["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["device_ids"] == ["1"]
+
+
+def test_settings_persist_and_an_empty_value_restores_the_default(tmp_path):
+    configure(tmp_path, CONTEXT="4096", PUBLISH_PORT="9000")
+    env, _ = configure(tmp_path)  # a later `make up` with no settings keeps them
+    assert (env["CONTEXT"], env["PUBLISH_PORT"]) == ("4096", "9000")
+    assert envfile.read(tmp_path / "settings.env") == {"CONTEXT": "4096", "PUBLISH_PORT": "9000"}
+    env, _ = configure(tmp_path, CONTEXT="")
+    assert env["CONTEXT"] == "auto"
+    assert envfile.read(tmp_path / "settings.env") == {"PUBLISH_PORT": "9000"}
+
+
+def test_replace_drops_settings_not_given(tmp_path):
+    configure(tmp_path, CONTEXT="4096")
+    env, _ = config.configure({"SLOTS": "2"}, tmp_path / ".env", tmp_path, replace=True)
+    assert (env["CONTEXT"], env["SLOTS"]) == ("auto", "2")
+
+
+BAD = [
+    (["BACKEND=rocm"], "BACKEND=rocm: choose cuda or cpu"),
+    (["CONTEXT=lots"], "CONTEXT=lots: a whole number from 256"),
+    (["SLOTS=0"], "SLOTS=0: a whole number from 1 to 256, or auto"),
+    (["KV_TYPE=q3_k"], "KV_TYPE=q3_k: choose auto or f16 or q8_0 or q4_0"),
+    (["PUBLISH_PORT=70000"], "PUBLISH_PORT=70000: a whole number from 1 to 65535"),
+    (["PUBLISH_ADDRESS=localhost"], "PUBLISH_ADDRESS=localhost: an IP address"),
+    (["MODEL_FILE=../up.gguf"], "MODEL_FILE=../up.gguf: a file name ending in .gguf"),
+    (["MODEL_SHA256=abc"], "MODEL_SHA256=abc: 64 lowercase hex digits"),
+    (["SERVER_EXTRA=--threads 4"], "SERVER_EXTRA=--threads 4: space-separated LLAMA_ARG_NAME"),
+    (["SERVER_EXTRA=LLAMA_ARG_CTX_SIZE=4096"], "SERVER_EXTRA sets LLAMA_ARG_CTX_SIZE, which the"),
+    (["CONTXT=4096"], "CONTXT is not a setting: did you mean CONTEXT?"),
+    (["CONTEXT"], "'CONTEXT': settings are given as NAME=value"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD, ids=[a[0] for a, _ in BAD])
+def test_a_bad_value_is_refused_with_one_line_and_nothing_written(tmp_path, capsys, args, message):
+    code = config.main([*args, "--env-file", str(tmp_path / ".env"), "--state-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith(f"config: {message}"), err
+    assert len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_make_passes_settings_by_name_and_refuses_a_misspelt_one():
+    dry = subprocess.run(
+        ["make", "-n", "config", "CONTEXT=4096", "KV_TYPE=q8_0"],
+        cwd=PROJECT_ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert dry.returncode == 0, dry.stderr
+    assert "config" in dry.stdout and "'CONTEXT=4096'" in dry.stdout
+    assert "'KV_TYPE=q8_0'" in dry.stdout
+    typo = subprocess.run(
+        ["make", "-n", "config", "CONTXT=4096"], cwd=PROJECT_ROOT, capture_output=True, text=True
+    )
+    assert typo.returncode != 0
+    assert "CONTXT is neither a setting nor a Make variable" in typo.stderr
+
+
+def test_ansible_role_declares_no_setting_of_its_own():
+    """Settings reach the role as llm_stack_settings by their names: no role variable may shadow
+    one (a second declaration with a second default)."""
+    defaults = (PROJECT_ROOT / "ansible/roles/llm_stack/defaults/main.yml").read_text().lower()
+    for name in settings.SETTINGS:
+        assert f"llm_stack_{name.lower()}:" not in defaults, name
