@@ -105,7 +105,7 @@ SERVER_EFFECTS = [
     ("PUBLISH_ADDRESS", "0.0.0.0", {}),
     ("PUBLISH_PORT", "9123", {}),
     ("QUALITY_GATE", "none", {}),
-    ("MODEL_SOURCE", "bonsai-2-27b-pq2", {}),
+    ("MODEL_SOURCE", "bonsai-2-27b-pq2_0", {}),
     ("MODEL_TYPE", "Q1_0", {}),
     ("PROJECT_NAME", "other-stack", {}),
 ]  # fmt: skip
