@@ -199,12 +199,13 @@ def test_bad_model_never_starts_the_server(stack_for, tiny_model, tmp_path, dama
     models = tmp_path / "models"
     models.mkdir()
     bad = models / "model.gguf"
+    # Damaged after `config` (which would refuse a truncated file itself, test_release): what
+    # model-init finds when the server is about to start.
+    stack = stack_for(bad)
     if damage == "truncated":
         bad.write_bytes(tiny_model.read_bytes()[:50_000])
     if damage == "unreadable":
         bad.write_bytes(tiny_model.read_bytes())
-    stack = stack_for(bad)
-    if damage == "unreadable":
         bad.chmod(0o600)  # owned by root: the containers' uid 10001 cannot read it
     up = stack.compose("up", "-d", "--wait", "--wait-timeout", "120", "llama-server")
     assert up.returncode != 0
@@ -224,7 +225,7 @@ def test_model_init_fetches_the_configured_source_before_the_server_starts(
     shutil.copy(tiny_model, models / "incoming" / "tiny.gguf")
     digest = hashlib.sha256(tiny_model.read_bytes()).hexdigest()
     stack = stack_for(
-        models / "model.gguf", model_source="/models/incoming/tiny.gguf", model_sha256=digest
+        models / "model.gguf", MODEL_SOURCE="/models/incoming/tiny.gguf", MODEL_SHA256=digest
     )
     up = stack.compose("up", "-d", "--wait", "--wait-timeout", "120", "llama-server")
     assert up.returncode == 0, up.stderr[-3000:]
@@ -239,7 +240,7 @@ def test_model_init_refuses_a_source_with_the_wrong_checksum(stack_for, tiny_mod
     (models / "incoming").mkdir(parents=True)
     shutil.copy(tiny_model, models / "incoming" / "tiny.gguf")
     stack = stack_for(
-        models / "model.gguf", model_source="/models/incoming/tiny.gguf", model_sha256="0" * 64
+        models / "model.gguf", MODEL_SOURCE="/models/incoming/tiny.gguf", MODEL_SHA256="0" * 64
     )
     up = stack.compose("up", "-d", "--wait", "--wait-timeout", "120", "llama-server")
     assert up.returncode != 0
