@@ -322,8 +322,33 @@ def rollback(project: Project, tag: str | None = None, **kwargs) -> str:
     return deploy(project, tag, event="rollback", **kwargs)
 
 
-def format_history(history: list[dict]) -> str:
+def running(env: dict[str, str]) -> dict | None:
+    """What Docker runs as this project's llama-server: its tag, state and health (None when
+    there is no container). The history says what should run; this says what does."""
+    containers = docker.from_env().containers.list(
+        all=True,
+        filters={
+            "label": [
+                f"com.docker.compose.project={env['COMPOSE_PROJECT_NAME']}",
+                "com.docker.compose.service=llama-server",
+            ]
+        },
+    )
+    if not containers:
+        return None
+    state = containers[0].attrs["State"]
+    return {
+        "tag": containers[0].attrs["Config"]["Image"].rsplit(":", 1)[-1],
+        "state": state["Status"],
+        "health": (state.get("Health") or {}).get("Status"),
+    }
+
+
+def format_history(history: list[dict], now: dict | None) -> str:
+    """The history as a table; `*` marks the live release only where Docker runs it (now),
+    `!` where the history says live and Docker disagrees. A last line says what runs."""
     live = current_live(history)
+    serving = now is not None and now["state"] == "running" and now["tag"] == live
     rows = [("", "TAG", "WHEN", "EVENT", "STATUS", "SMOKE", "MODEL MANIFEST")]
     for r in history:
         if r.get("status") == "started":
@@ -339,16 +364,24 @@ def format_history(history: list[dict]) -> str:
                 (r.get("model_manifest") or "-")[:12],
             )
         )
-    # The live marker goes on the newest record that made the live tag live.
+    # The marker goes on the newest record that made the live tag live.
     for row in reversed(rows[1:]):
         if row[1] == live and row[4] == "live":
-            rows[rows.index(row)] = ("*", *row[1:])
+            rows[rows.index(row)] = ("*" if serving else "!", *row[1:])
             break
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
+    table = "\n".join(
         "  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
         for row in rows
     )
+    if now is None:
+        status = "nothing: no llama-server container"
+    else:
+        health = f", {now['health']}" if now["health"] else ""
+        status = f"{now['tag']} ({now['state']}{health})"
+    if live and not serving:
+        status += f"; the history's live release {live} is not running (! above): make deploy"
+    return f"{table}\n\nrunning now: {status}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         if args.action == "list":
-            print(format_history(read_history(project)))
+            print(format_history(read_history(project), running(project.env())))
             return 0
         options = {"wait_timeout": args.wait_timeout, "keep": args.keep}
         if args.action == "deploy":

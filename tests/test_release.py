@@ -135,15 +135,23 @@ def test_failed_deploy_rolls_back_and_rollback_by_tag(project, tags):
         tags["v2"],
     ]
     assert any(r["tag"] == tags["v3"] and r["status"] == "failed" for r in history)
-    table = release.format_history(history)
+    table = release.format_history(history, release.running(proj.env()))
     assert tags["v3"] in table and "failed" in table
     live_rows = [line for line in table.splitlines() if line.startswith("*")]
     assert len(live_rows) == 1 and tags["v2"] in live_rows[0]
+    assert table.splitlines()[-1].startswith(f"running now: {tags['v2']} (running, healthy)")
 
     release.rollback(proj, tags["v1"], wait_timeout=WAIT)
     assert serving(stack) == "release-v1"
     release.rollback(proj, wait_timeout=WAIT)  # the previous good one: v2
     assert serving(stack) == "release-v2"
+
+    # Stopped behind the history's back (`make down`): the list says so, no `*`.
+    stack.compose("stop", "llama-server", timeout=120)
+    table = release.format_history(release.read_history(proj), release.running(proj.env()))
+    assert not [line for line in table.splitlines() if line.startswith("*")]
+    assert [line for line in table.splitlines() if line.startswith("!")]
+    assert f"the history's live release {tags['v2']} is not running" in table.splitlines()[-1]
 
 
 def test_bad_model_config_is_refused_and_the_live_release_keeps_serving(
