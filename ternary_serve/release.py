@@ -322,6 +322,17 @@ def rollback(project: Project, tag: str | None = None, **kwargs) -> str:
     return deploy(project, tag, event="rollback", **kwargs)
 
 
+def endpoint(env: dict[str, str]) -> str:
+    """Where a client on this host reaches the API, and how to stop it."""
+    address = env["PUBLISH_ADDRESS"]
+    host = "127.0.0.1" if address in ("0.0.0.0", "::") else address
+    host = f"[{host}]" if ":" in host else host
+    return (
+        f"the API is at http://{host}:{env['PUBLISH_PORT']}/v1 (OpenAI-compatible); "
+        "`make down` stops it"
+    )
+
+
 def running(env: dict[str, str]) -> dict | None:
     """What Docker runs as this project's llama-server: its tag, state and health (None when
     there is no container). The history says what should run; this says what does."""
@@ -416,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             print(deploy(project, args.tag or project.env()["IMAGE_TAG"], **options))
         else:
             print(rollback(project, args.tag, **options))
+        print(f"release: {endpoint(project.env())}")
     except ReleaseError as exc:
         print(f"release: {exc}", file=sys.stderr)
         return 1

@@ -245,9 +245,14 @@ def test_second_deploy_is_refused_while_one_runs(project, tags):
         assert "another deploy is running (pid" in second.stderr
         assert f"IMAGE_TAG={tags['v4']}".encode() not in proj.env_file.read_bytes()
     finally:
-        assert first.wait(timeout=300) == 0, first.stdout.read()
+        code = first.wait(timeout=300)
+        output = first.stdout.read()
+        assert code == 0, output
     assert env_before != proj.env_file.read_bytes()
     assert serving(stack) == "release-v2"
+    # The deploy ends saying where the endpoint is and how to stop it.
+    assert f"the API is at http://127.0.0.1:{stack.env['PUBLISH_PORT']}/v1" in output
+    assert "`make down` stops it" in output
 
 
 def test_killed_deploy_leaves_a_consistent_state_and_the_next_deploy_succeeds(project, tags):
