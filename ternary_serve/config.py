@@ -137,6 +137,7 @@ def render_server_env(values: dict[str, str], memory: plan.Plan | None) -> str:
         plan=memory,
         batch=int(values["BATCH"]),
         ubatch=int(values["UBATCH"]),
+        slots_endpoint=values["SLOTS_ENDPOINT"] == "on",
     )
     return text + "".join(f"{key}={value}\n" for key, value in extra.items())
 

@@ -75,6 +75,9 @@ def test_compose_up_serves_and_the_smoke_sidecar_passes(stack_for, tiny_model):
         assert requests.get(f"{stack.url}/health", timeout=10).json() == {"status": "ok"}
         metrics = requests.get(f"{stack.url}/metrics", timeout=10)  # the template turns it on
         assert metrics.status_code == 200 and "llamacpp:" in metrics.text
+        # No user can read another's live prompt (SLOTS_ENDPOINT defaults to off).
+        slots = requests.get(f"{stack.url}/slots", timeout=10)
+        assert slots.status_code != 200 and "prompt" not in slots.text, slots.text[:300]
         assert_every_flag_is_effective(stack)
         assert_prompt_reuse_through_checkpoints(stack)
     finally:
