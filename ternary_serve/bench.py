@@ -52,11 +52,12 @@ def gpu_name() -> str:
     return out.stdout.strip() if out.returncode == 0 else "no NVIDIA GPU"
 
 
-def gpu_memory_used() -> dict:
+def gpu_memory_used(index: int = 0) -> dict:
     """What the whole GPU has in use (MiB), by nvidia-smi; empty without one."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+            ["nvidia-smi", "-i", str(index), "--query-gpu=memory.used,memory.total",
+             "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=30,
         )  # fmt: skip
     except (FileNotFoundError, subprocess.TimeoutExpired):
@@ -65,6 +66,25 @@ def gpu_memory_used() -> dict:
         return {}
     used, total = out.stdout.splitlines()[0].split(",")
     return {"nvidia_smi_used_mib": int(used), "nvidia_smi_total_mib": int(total)}
+
+
+def engine_room(flags: dict[str, str], env: dict[str, str]) -> str | None:
+    """Why the engine's benchmarks cannot run beside the live server on its GPU (None: they can).
+    On a 24 GB card the planned server leaves less than a second copy of a 27B model needs."""
+    if flags.get("LLAMA_ARG_N_GPU_LAYERS", "0") == "0":
+        return None
+    memory = gpu_memory_used(int(env.get("GPU", "0")))
+    if not memory:
+        return None
+    free = memory["nvidia_smi_total_mib"] - memory["nvidia_smi_used_mib"]
+    model = Path(env["MODEL_DIR"]) / env["MODEL_FILE"]
+    needed = model.stat().st_size // 2**20 + 1024
+    if free >= needed:
+        return None
+    return (
+        f"{free} MiB of GPU memory is free beside the live server and a second copy of the model "
+        f"needs about {needed}: stop the stack and run `ternary-serve bench --bin` for them"
+    )
 
 
 def log(message: str) -> None:
@@ -489,7 +509,12 @@ def run(args: argparse.Namespace) -> dict:
         },
     }
     result["llama_bench"] = result["batched_bench"] = []
-    if not args.sweep_only:
+    room = None if args.bin else engine_room(flags, env)
+    if room:
+        # The engine's benchmarks load a second copy of the weights beside the live server.
+        log(f"skipping llama-bench and llama-batched-bench: {room}")
+        result["engine_benchmarks_skipped"] = room
+    elif not args.sweep_only:
         log(f"llama-bench pp{args.pp} tg{args.tg} x{args.reps}")
         result["llama_bench"] = llama_bench(engine, flags, args.pp, args.tg, args.reps)
         log(f"llama-batched-bench at 1 and {slots} sequences")

@@ -93,8 +93,14 @@ class Shape:
         recurrent = [False] * n_layer
         state = 0
         if arch in RECURRENT_ARCHS:
-            interval = int(field(f"{arch}.full_attention_interval", 4))
-            recurrent = [(il + 1) % interval != 0 for il in range(n_layer)]
+            # As the engine reads it: an explicit per-layer list, else every interval-th layer
+            # is attention (qwen35.cpp load_arch_hparams).
+            listed = reader.get_field(f"{arch}.attention.recurrent_layers")
+            if listed is not None:
+                recurrent = [bool(v) for v in listed.contents()][:n_layer]
+            else:
+                interval = int(field(f"{arch}.full_attention_interval", 4))
+                recurrent = [(il + 1) % interval != 0 for il in range(n_layer)]
             d_conv = int(field(f"{arch}.ssm.conv_kernel"))
             d_inner = int(field(f"{arch}.ssm.inner_size"))
             d_state = int(field(f"{arch}.ssm.state_size"))

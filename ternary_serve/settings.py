@@ -27,7 +27,7 @@ SETTINGS_FILE = "settings.env"
 HEADER = "# Operator settings, written by `make config NAME=value` (`ternary-serve settings`).\n"
 AUTO = "auto"
 KV_TYPES = ("f16", "q8_0", "q4_0")
-# Variables the server template sets from other settings: SERVER_EXTRA may not set them twice.
+# A llama-server flag's environment twin: what SERVER_EXTRA may hold.
 SERVER_ARG = re.compile(r"^LLAMA_ARG_[A-Z0-9_]+$")
 
 
@@ -89,10 +89,6 @@ def directory(value: str) -> str:
     return str((PROJECT_ROOT / value).resolve()) if not Path(value).is_absolute() else value
 
 
-def kv_type(value: str) -> str:
-    return one_of(AUTO, *KV_TYPES)(value)
-
-
 def server_extra(value: str) -> str:
     for pair in value.split():
         key, sep, _ = pair.partition("=")
@@ -150,7 +146,8 @@ SETTINGS = {
                 "requests served at once; auto: as many as the memory holds, up to 16",
                 integer(1, 256, auto=True)),
         Setting("KV_TYPE", AUTO,
-                "KV cache type; auto: f16, or q8_0 when f16 cannot hold the context", kv_type),
+                "KV cache type; auto: f16, or q8_0 when f16 cannot hold the context",
+                one_of(AUTO, *KV_TYPES)),
         Setting("KV_UNIFIED", "off",
                 "on: one KV pool shared by all slots (a slot may use more than its share)",
                 one_of("on", "off")),
