@@ -208,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         f"config: {env['BACKEND']} stack, image tag {env['IMAGE_TAG']}, "
         f"model {env['MODEL_DIR']}/{env['MODEL_FILE']}"
     )
+    # Kept settings outlive the command that set them (make demo's BACKEND=cpu, say): show them.
+    kept = settings.chosen(settings.configured(args.env_file))
+    if kept:
+        listed = ", ".join(f"{k}={v}" for k, v in kept.items() if not k.endswith("_BASE_IMAGE"))
+        print(f"config: in effect from {settings.settings_file(args.env_file)}: {listed}")
     if memory is None:
         print(
             "config: the model is not in place yet; the deploy plans slots, context and KV "
