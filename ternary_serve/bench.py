@@ -102,29 +102,38 @@ class Engine:
     def run(self, tool: str, args: list[str], timeout: float) -> str:
         if self.bin_dir is not None:
             cmd = [str(self.bin_dir / tool), *args]
+            log("+ " + " ".join(cmd))
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=timeout, cwd=PROJECT_ROOT
+            )
         else:
-            cmd = [
-                "docker",
-                "compose",
-                "--env-file",
-                self.env["ENV_FILE"],
-                "run",
-                "--rm",
-                "--no-deps",
-                "-T",
-                "--entrypoint",
-                f"/usr/local/bin/{tool}",
-                "llama-server",
-                *args,
-            ]
-        log("+ " + " ".join(cmd))
-        done = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, cwd=PROJECT_ROOT
-        )
+            done = self.run_in_image(tool, args, timeout)
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
             raise BenchError(f"{tool} exited with {done.returncode}: {' | '.join(tail)}")
         return done.stdout + done.stderr
+
+    def run_in_image(self, tool: str, args: list[str], timeout: float):
+        """The tool in the release's server image, detached, its output read from `docker logs`
+        once it has exited: one CI run lost batched-bench's last row through an attached
+        `compose run`, most likely the attach ending before the output did."""
+        compose = ["docker", "compose", "--env-file", self.env["ENV_FILE"]]
+        cmd = [*compose, "run", "-d", "--no-deps", "--entrypoint", f"/usr/local/bin/{tool}",
+               "llama-server", *args]  # fmt: skip
+        log("+ " + " ".join(cmd))
+        started = subprocess.run(cmd, capture_output=True, text=True, cwd=PROJECT_ROOT)
+        if started.returncode != 0:
+            return started
+        container = started.stdout.strip().splitlines()[-1]
+        try:
+            waited = subprocess.run(
+                ["docker", "wait", container], capture_output=True, text=True, timeout=timeout
+            )
+            logs = subprocess.run(["docker", "logs", container], capture_output=True, text=True)
+        finally:
+            subprocess.run(["docker", "rm", "-f", container], capture_output=True)
+        code = int(waited.stdout.strip() or 1)
+        return subprocess.CompletedProcess(cmd, code, logs.stdout, logs.stderr)
 
 
 def engine_args(flags: dict[str, str]) -> list[str]:
