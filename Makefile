@@ -43,10 +43,10 @@ setting = "$$($(CLI) settings --get $(1))"
 # The settings given on this command line, for ternary-serve config.
 SETTING_ARGS := $(foreach v,$(SETTING_NAMES),$(if $(filter command line,$(origin $(v))),'$(v)=$($(v))')) \
 	$(if $(MODEL)$(SOURCE),'MODEL_SOURCE=$(or $(MODEL),$(SOURCE))') $(if $(SHA256),'MODEL_SHA256=$(SHA256)') \
-	$(if $(BASE_IMAGE_OVERRIDE),$(foreach role,BUILD RUNTIME SMOKE,'$(role)_BASE_IMAGE=$(BASE_IMAGE_OVERRIDE)'))
+	$(if $(BASE_IMAGE_OVERRIDE),$(foreach role,BUILD RUNTIME SMOKE GATEWAY,'$(role)_BASE_IMAGE=$(BASE_IMAGE_OVERRIDE)'))
 
 .PHONY: help venv versions config settings plan model convert build release up deploy rollback releases \
-	down bench smoke logs demo test lint bootstrap
+	rotate-key down bench smoke logs demo test lint bootstrap
 
 help: ## list targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -91,8 +91,8 @@ convert: build ## SRC=<checkpoint dir or GGUF> -> TYPE (Q2_0) at MODEL_DIR/MODEL
 		model-init convert "/input/$(notdir $(abspath $(SRC)))" /models/$(call setting,MODEL_FILE) \
 		--type $(TYPE) --backend $(call setting,BACKEND) $(if $(EMBEDDINGS_TYPE),--embeddings-type $(EMBEDDINGS_TYPE))
 
-build: config ## build the server, model-init and smoke images (tags carry version, engine ref, backend)
-	$(COMPOSE) build
+build: config ## build the release's images: server, model-init, smoke, gateway (tags: version, engine, backend)
+	$(COMPOSE) --profile gateway build
 
 release: build ## build and tag a release (the tag is printed; make releases lists deployed ones)
 	@grep '^IMAGE_TAG=' .env
@@ -110,6 +110,9 @@ rollback: venv ## back to the previous good release, or to TAG=...
 releases: venv ## the release history: tag, when, model manifest, smoke result, live marker
 	$(CLI) release list
 
+rotate-key: venv ## a new API key for the live release (restarted, smoke tested; else the old key stays)
+	$(CLI) release rotate-key
+
 bench: venv ## llama-bench, llama-batched-bench and a client sweep of the live release -> BENCH_OUT
 	$(CLI) bench --out $(BENCH_OUT)
 
@@ -125,7 +128,8 @@ down: ## stop the stack (models and images stay)
 bootstrap: ## install and start Docker, Compose, buildx; build the base stand-in; fetch engine source
 	python3 tests/bootstrap.py all
 
-demo: bootstrap venv ## no GPU, no registry: serve a synthetic tiny ternary model on the CPU stack
+demo: venv ## no GPU, no registry: serve a synthetic tiny ternary model on the CPU stack
+	python3 tests/bootstrap.py docker base-images engine-source wheels
 	$(CLI) synth $(CURDIR)/models/tiny-ternary.gguf --profile tiny
 	$(MAKE) up BACKEND=cpu ENGINE_SOURCE=local MODEL_DIR=$(CURDIR)/models MODEL_FILE=tiny-ternary.gguf \
 		BASE_IMAGE_OVERRIDE=$(STAND_IN_IMAGE)

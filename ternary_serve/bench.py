@@ -32,7 +32,8 @@ from pathlib import Path
 
 import requests
 
-from ternary_serve import config, envfile, settings
+from ternary_serve import config, credentials, envfile, settings
+from ternary_serve.client import Endpoint
 from ternary_serve.versions import PROJECT_ROOT
 
 
@@ -230,25 +231,28 @@ def batched_bench(engine: Engine, flags: dict[str, str], slots: int, pp: int, tg
     ]
 
 
-def prompt_of(url: str, n_tokens: int, request: int) -> str:
+def prompt_of(api: Endpoint, n_tokens: int, request: int) -> str:
     """A distinct prompt per request (the prompt cache must not serve it) of n_tokens tokens, cut
     to length by the server's own tokenizer (/tokenize, /detokenize)."""
     words = " ".join(f"item{(request * 7919 + i) % 10007}" for i in range(n_tokens))
     text = f"Request {request}. Continue this list without stopping: {words}"
-    tokens = requests.post(f"{url}/tokenize", json={"content": text}, timeout=60).json()["tokens"]
-    cut = requests.post(f"{url}/detokenize", json={"tokens": tokens[:n_tokens]}, timeout=60)
+    with api.session() as http:
+        tokens = http.post(f"{api.url}/tokenize", json={"content": text}, timeout=60).json()
+        cut = http.post(
+            f"{api.url}/detokenize", json={"tokens": tokens["tokens"][:n_tokens]}, timeout=60
+        )
     return cut.json()["content"]
 
 
 def one_request(
-    client, url: str, model: str, request: int, prompt_tokens: int, max_tokens: int
+    client, api: Endpoint, model: str, request: int, prompt_tokens: int, max_tokens: int
 ) -> dict:
     started = time.monotonic()
     first = None
     usage = timings = None
     stream = client.chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": prompt_of(url, prompt_tokens, request)}],
+        messages=[{"role": "user", "content": prompt_of(api, prompt_tokens, request)}],
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
@@ -281,11 +285,11 @@ def percentile(values: list[float], share: float) -> float | None:
 
 
 def sweep_level(
-    url: str, model: str, clients: int, rounds: int, prompt: int, max_tokens: int, offset: int
+    api: Endpoint, model: str, clients: int, rounds: int, prompt: int, max_tokens: int, offset: int
 ) -> dict:
     import openai
 
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0)
+    client = api.openai(timeout=600, max_retries=0)
     results: list[dict] = []
     failures: list[str] = []
     lock = threading.Lock()
@@ -294,7 +298,7 @@ def sweep_level(
         for r in range(rounds):
             try:
                 done = one_request(
-                    client, url, model, offset + index * rounds + r, prompt, max_tokens
+                    client, api, model, offset + index * rounds + r, prompt, max_tokens
                 )
             except (openai.OpenAIError, BenchError) as exc:
                 with lock:
@@ -329,14 +333,14 @@ def sweep_level(
     }
 
 
-def sweep(url: str, model: str, levels: list[int], rounds: int, prompt: int, max_tokens: int):
+def sweep(api: Endpoint, model: str, levels: list[int], rounds: int, prompt: int, max_tokens: int):
     rows = []
     for step, clients in enumerate(levels, start=1):
         log(
             f"sweep {step}/{len(levels)}: {clients} clients x {rounds} requests, "
             f"{max_tokens} tokens each"
         )
-        row = sweep_level(url, model, clients, rounds, prompt, max_tokens, offset=step * 100000)
+        row = sweep_level(api, model, clients, rounds, prompt, max_tokens, offset=step * 100000)
         log(
             f"  {row['aggregate_tokens_per_s']} t/s aggregate, {row['per_stream_tokens_per_s']} "
             f"t/s per stream, TTFT p95 {row['ttft_p95_s'] or 0:.2f} s, {row['failures']} failed"
@@ -384,13 +388,13 @@ def chart(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
+def wait_healthy(api: Endpoint, proc: subprocess.Popen, timeout: float) -> float:
     started = time.monotonic()
     while time.monotonic() - started < timeout:
         if proc.poll() is not None:
             raise BenchError(f"llama-server exited with {proc.returncode} while loading")
         try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+            if requests.get(f"{api.url}/health", timeout=2, verify=api.verify).status_code == 200:
                 return time.monotonic() - started
         except requests.RequestException:
             pass
@@ -403,17 +407,22 @@ def native_flags(model: Path, given: dict[str, str], port: int) -> tuple[dict[st
     values = settings.resolve(
         {}, {"MODEL_DIR": str(model.parent), "MODEL_FILE": model.name, **given}
     )
-    text, memory = config.planned_server_env(values)
-    flags = envfile.parse(text)
+    files, _, memory = config.planned(values)
+    flags = envfile.parse(files[config.SERVER_ENV])
     flags.update(LLAMA_ARG_MODEL=str(model), LLAMA_ARG_HOST="127.0.0.1", LLAMA_ARG_PORT=str(port))
+    # A native server on loopback for the length of the run: no Compose secret, no key.
+    del flags["LLAMA_ARG_API_KEY_FILE"]
     return flags, memory.as_dict() if memory else {}
 
 
-def served_model(url: str) -> str:
+def served_model(api: Endpoint) -> str:
     try:
-        return requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        with api.session() as http:
+            return http.get(f"{api.url}/v1/models", timeout=10).json()["data"][0]["id"]
     except (requests.RequestException, ValueError, KeyError, IndexError) as exc:
-        raise BenchError(f"no server answers at {url} ({exc}): deploy first (make up)") from None
+        raise BenchError(
+            f"no server answers at {api.url} ({exc}): deploy first (make up)"
+        ) from None
 
 
 def summary(result: dict) -> str:
@@ -465,7 +474,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_intermixed_args(argv)
     try:
         result = run(args)
-    except (BenchError, config.ConfigError, settings.SettingError) as exc:
+    except (
+        BenchError,
+        config.ConfigError,
+        settings.SettingError,
+        credentials.CredentialError,
+    ) as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 1
     print(summary(result))
@@ -482,7 +496,7 @@ def run(args: argparse.Namespace) -> dict:
             args.model, settings.parse_assignments(args.assignments), args.port
         )
         engine = Engine(args.bin, args.model)
-        url = f"http://127.0.0.1:{args.port}"
+        api = Endpoint(f"http://127.0.0.1:{args.port}")
         build = args.bin.parent / "build-info.json"
         release = (
             json.loads(build.read_text()).get("engine_ref", "native")
@@ -497,11 +511,10 @@ def run(args: argparse.Namespace) -> dict:
         flags = envfile.read(Path(env["SERVER_ENV_FILE"]))
         memory = {}
         engine = Engine(None, Path(flags["LLAMA_ARG_MODEL"]), env)
-        address = env["PUBLISH_ADDRESS"].replace("0.0.0.0", "127.0.0.1")
-        url = f"http://{address}:{env['PUBLISH_PORT']}"
+        api = Endpoint.of(env)
         release = env["IMAGE_TAG"]
         model_name = env["MODEL_FILE"]
-        served_model(url)  # before minutes of engine benchmarks
+        served_model(api)  # before minutes of engine benchmarks
     slots = int(flags.get("LLAMA_ARG_N_PARALLEL", "1"))
     result = {
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -540,11 +553,11 @@ def run(args: argparse.Namespace) -> dict:
             )
     try:
         if proc is not None:
-            result["load_seconds"] = round(wait_healthy(url, proc, timeout=900), 1)
+            result["load_seconds"] = round(wait_healthy(api, proc, timeout=900), 1)
             result["memory"] = {"planned_mib": memory.get("used_mib"), **gpu_memory_used()}
         levels = sorted({1, slots, 2 * slots})
         result["sweep"] = sweep(
-            url, served_model(url), levels, args.rounds, args.prompt_tokens, args.tg
+            api, served_model(api), levels, args.rounds, args.prompt_tokens, args.tg
         )
     finally:
         if proc is not None:

@@ -36,13 +36,17 @@ def render(pairs: dict[str, str], header: str = "") -> str:
     return header + "".join(f"{key}={value}\n" for key, value in pairs.items())
 
 
-def write_atomic(path: Path, text: str) -> bool:
-    """Replace path with text in one rename; returns False (and leaves it alone) if unchanged."""
+def write_atomic(path: Path, text: str, mode: int = 0o600, group: int | None = None) -> bool:
+    """Replace path with text in one rename, with this mode (and group); returns False (and
+    leaves it alone) if unchanged."""
     if path.is_file() and path.read_text() == text:
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        os.fchmod(fd, mode)
+        if group is not None:
+            os.fchown(fd, -1, group)
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
             fh.flush()

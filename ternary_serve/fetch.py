@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -94,17 +95,27 @@ def download_url(url: str, partial: Path, expected_size: int | None, timeout: fl
             )
         check_disk(partial.parent, (total or 0) - have)
         progress = Progress(partial.name.removesuffix(".partial"), total, have)
-        with partial.open("ab" if have else "wb") as out:
-            try:
-                # read1 hands over what has arrived, so a broken connection loses nothing written.
-                while chunk := resp.raw.read1(CHUNK):
-                    out.write(chunk)
-                    progress.update(len(chunk))
-            except urllib3.exceptions.HTTPError as exc:
-                raise requests.ConnectionError(f"connection lost: {exc}") from exc
-            finally:
-                out.flush()
-                os.fsync(out.fileno())
+        try:
+            with partial.open("ab" if have else "wb") as out:
+                try:
+                    # read1 hands over what has arrived: a broken connection loses nothing written.
+                    while chunk := resp.raw.read1(CHUNK):
+                        out.write(chunk)
+                        progress.update(len(chunk))
+                except urllib3.exceptions.HTTPError as exc:
+                    raise requests.ConnectionError(f"connection lost: {exc}") from exc
+                finally:
+                    out.flush()
+                    os.fsync(out.fileno())
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            # A source of unstated size can outgrow the disk check above.
+            raise WeightsError(
+                f"{partial.parent} is full after {partial.stat().st_size:,} bytes of {url}: free "
+                f"space there (or set MODEL_DIR elsewhere) and run again to resume; the model in "
+                "place is untouched"
+            ) from None
         progress.update(0, final=True)
         if total is not None and partial.stat().st_size != total:
             raise WeightsError(

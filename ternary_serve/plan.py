@@ -162,6 +162,7 @@ class Plan:
     kv_unified: str
     ubatch: int
     weights_mib: int
+    host_weights_mib: int  # token embeddings, in host memory
     kv_mib: int
     recurrent_mib: int
     compute_mib: int
@@ -271,6 +272,7 @@ def make(
                 kv_type=kv,
                 kv_unified=kv_unified,
                 ubatch=ubatch,
+                host_weights_mib=math.ceil(shape.host_weight_bytes / MIB),
                 kv_mib=math.ceil(total * shape.kv_bytes_per_token(kv) / MIB),
                 recurrent_mib=math.ceil(chosen * shape.recurrent_bytes_per_slot / MIB),
                 **plan_fixed,

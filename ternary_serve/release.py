@@ -25,7 +25,7 @@ from pathlib import Path
 import docker
 import docker.errors
 
-from ternary_serve import config, envfile, settings
+from ternary_serve import client, config, credentials, envfile, settings
 from ternary_serve.versions import PROJECT_ROOT
 
 HISTORY_FILE = "releases.jsonl"
@@ -121,7 +121,9 @@ def previous_good(history: list[dict]) -> str | None:
 
 def release_images(env: dict[str, str]) -> list[str]:
     """The image repositories one release tag spans."""
-    return [env[key] for key in ("SERVER_IMAGE", "MODEL_INIT_IMAGE", "SMOKE_IMAGE")]
+    return [
+        env[key] for key in ("SERVER_IMAGE", "MODEL_INIT_IMAGE", "SMOKE_IMAGE", "GATEWAY_IMAGE")
+    ]
 
 
 def require_images(client: docker.DockerClient, env: dict[str, str], tag: str) -> None:
@@ -189,8 +191,14 @@ def last_line(result: subprocess.CompletedProcess) -> str:
     return COMPOSE_PREFIX.sub("", lines[-1]).strip() if lines else "no output"
 
 
-def bring_up(project: Project, tag: str, wait_timeout: int) -> str | None:
-    """Start tag and smoke test it. Returns None on success, else what failed (one line)."""
+def serving_services(env: dict[str, str]) -> list[str]:
+    """The long-running services: the server, and the gateway in front of it when it is on."""
+    return ["llama-server", *(["gateway"] if client.gateway(env) else [])]
+
+
+def bring_up(project: Project, tag: str, wait_timeout: int, recreate: bool = False) -> str | None:
+    """Start tag and smoke test it. Returns None on success, else what failed (one line).
+    recreate: new containers even where nothing in their configuration changed (a new key)."""
     project.set_tag(tag)
     up = project.compose(
         "up",
@@ -198,12 +206,15 @@ def bring_up(project: Project, tag: str, wait_timeout: int) -> str | None:
         "--wait",
         "--wait-timeout",
         str(wait_timeout),
-        "llama-server",
+        *(["--force-recreate"] if recreate else []),
+        *serving_services(project.env()),
         timeout=wait_timeout + 120,
     )
     if up.returncode != 0:
         detail = (up.stderr.strip().splitlines() or ["no output"])[-1]
-        logs = project.compose("logs", "--no-color", "--tail", "5", "model-init", "llama-server")
+        logs = project.compose(
+            "logs", "--no-color", "--tail", "5", "model-init", *serving_services(project.env())
+        )
         hint = " | ".join(line.split("|", 1)[-1].strip() for line in logs.stdout.splitlines()[-3:])
         return f"not healthy: {detail}" + (f" (last log lines: {hint})" if hint else "")
     smoke = project.compose("run", "--rm", "--no-deps", "smoke", timeout=600)
@@ -219,12 +230,18 @@ def deploy(
     wait_timeout: int = WAIT_TIMEOUT_S,
     keep: int = KEEP_RELEASES,
     event: str = "deploy",
+    recreate: bool = False,
 ) -> str:
     """Make tag live, or leave the last good release live and raise. Returns a summary line."""
     env = project.env()
-    client = docker.from_env()
-    require_images(client, env, tag)  # before anything changes
+    engine = docker.from_env()
+    require_images(engine, env, tag)  # before anything changes
+    values = settings.configured(project.env_file)
     with deploy_lock(project):
+        try:
+            config.check_port(values)  # inside the lock: no other deploy is moving the port
+        except config.ConfigError as exc:
+            raise ReleaseError(f"{event} of {tag} refused before any change: {exc}") from None
         history = read_history(project)
         if history and history[-1].get("status") == "started":
             append_history(
@@ -247,27 +264,29 @@ def deploy(
             raise ReleaseError(
                 f"{event} of {tag} refused before any change: model check failed: {detail}; {live}"
             )
-        # Now that the model is in place: plan its memory and render the server flags.
+        # Now that the model is in place: plan its memory; render the server's flags, the
+        # gateway's configuration and the memory limits with it.
         try:
-            server_flags, memory = config.planned_server_env(settings.configured(project.env_file))
+            files, derived, memory = config.planned(values)
         except config.ConfigError as exc:
             append_history(project, tag=tag, status="refused", event=event, detail=str(exc))
             live = f"{fallback} is still live" if fallback else "nothing was live"
             raise ReleaseError(
                 f"{event} of {tag} refused before any change: {exc}; {live}"
             ) from None
-        envfile.write_atomic(Path(env["SERVER_ENV_FILE"]), server_flags)
+        config.write_planned(Path(env["SERVER_ENV_FILE"]).parent, files)
+        envfile.write(project.env_file, {**project.env(), **derived}, config.ENV_HEADER)
         if memory is not None:
             print(memory.table(), flush=True)
         manifest = model_manifest_hash(env)
         append_history(project, tag=tag, status="started", event=event, model_manifest=manifest)
         print(f"{event}: starting {tag}", flush=True)
-        failure = bring_up(project, tag, wait_timeout)
+        failure = bring_up(project, tag, wait_timeout, recreate)
         if failure is None:
             append_history(
                 project, tag=tag, status="live", event=event, smoke="pass", model_manifest=manifest
             )
-            removed = prune(client, env, read_history(project), keep)
+            removed = prune(engine, env, read_history(project), keep)
             pruned = f"; pruned {', '.join(removed)}" if removed else ""
             return f"{event}: {tag} is live (healthy, smoke passed){pruned}"
         append_history(
@@ -322,15 +341,32 @@ def rollback(project: Project, tag: str | None = None, **kwargs) -> str:
     return deploy(project, tag, event="rollback", **kwargs)
 
 
+def rotate_key(project: Project, wait_timeout: int = WAIT_TIMEOUT_S) -> str:
+    """A new API key for the live release, through the release gate: the server restarts with it
+    and must pass its smoke test, else the old key comes back (and with it the old containers)."""
+    live = current_live(read_history(project))
+    if live is None:
+        raise ReleaseError("nothing is live: deploy first (make up); the key is used from then on")
+    key_file = Path(project.env()["API_KEY_FILE"])
+    old = key_file.read_text()
+    try:
+        credentials.write_secret(key_file, credentials.new_api_key() + "\n")
+        return deploy(project, live, wait_timeout, event="rotate-key", recreate=True)
+    except (ReleaseError, credentials.CredentialError) as exc:
+        credentials.write_secret(key_file, old)
+        again = bring_up(project, live, wait_timeout, recreate=True)
+        state = f"{live} is live with the old key" if again is None else f"and then: {again}"
+        if again is None:
+            append_history(project, tag=live, status="live", event="rotate-key-undo", smoke="pass")
+        raise ReleaseError(f"key rotation failed: {exc}; the old key is back: {state}") from None
+
+
 def endpoint(env: dict[str, str]) -> str:
-    """Where a client on this host reaches the API, and how to stop it."""
-    address = env["PUBLISH_ADDRESS"]
-    host = "127.0.0.1" if address in ("0.0.0.0", "::") else address
-    host = f"[{host}]" if ":" in host else host
-    return (
-        f"the API is at http://{host}:{env['PUBLISH_PORT']}/v1 (OpenAI-compatible); "
-        "`make down` stops it"
-    )
+    """Where a client on this host reaches the API, with what, and how to stop it."""
+    where = f"the API is at {client.published_url(env)}/v1 (OpenAI-compatible)"
+    key = f"; API key in {env['API_KEY_FILE']} (Authorization: Bearer <key>)"
+    cert = f"; certificate {env['GATEWAY_TLS_FILE']}" if client.gateway(env) else ""
+    return where + key + cert + "; `make down` stops it"
 
 
 def running(env: dict[str, str]) -> dict | None:
@@ -415,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         "tag", nargs="?", help="image tag (default: the previous good one)"
     )
     sub.add_parser("list")
+    sub.add_parser("rotate-key", help="a new API key for the live release, through the gate")
     args = ap.parse_args(argv)
     project = Project(args.env_file, args.state_dir)
     started = time.monotonic()
@@ -425,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         options = {"wait_timeout": args.wait_timeout, "keep": args.keep}
         if args.action == "deploy":
             print(deploy(project, args.tag or project.env()["IMAGE_TAG"], **options))
+        elif args.action == "rotate-key":
+            print(rotate_key(project, args.wait_timeout))
         else:
             print(rollback(project, args.tag, **options))
         print(f"release: {endpoint(project.env())}")

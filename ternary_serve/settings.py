@@ -89,6 +89,22 @@ def directory(value: str) -> str:
     return str((PROJECT_ROOT / value).resolve()) if not Path(value).is_absolute() else value
 
 
+def optional_file(value: str) -> str:
+    if value and not Path(value).is_absolute():
+        raise ValueError("an absolute path to a file, or empty")
+    return value
+
+
+def origins(value: str) -> str:
+    for origin in value.split():
+        if not re.fullmatch(r"https?://[A-Za-z0-9.-]+(:\d+)?", origin):
+            raise ValueError(
+                f"space-separated origins like https://app.example.com (scheme, host, optional "
+                f"port, no path), got {origin!r}"
+            )
+    return value
+
+
 def server_extra(value: str) -> str:
     for pair in value.split():
         key, sep, _ = pair.partition("=")
@@ -158,12 +174,34 @@ SETTINGS = {
         Setting("SLOTS_ENDPOINT", "off",
                 "on: GET /slots shows every slot's live prompt (other users' conversations)",
                 one_of("on", "off")),
+        Setting("WEB_UI", "off", "on: llama-server's web chat UI at / (through the gateway too)",
+                one_of("on", "off")),
+        Setting("GATEWAY", AUTO,
+                "TLS reverse proxy (HAProxy) in front of the server, the only published port; "
+                "auto: on when PUBLISH_ADDRESS is not loopback", one_of(AUTO, "on", "off")),
+        Setting("TLS_CERT", "",
+                "the gateway's PEM certificate (chain); empty: one generated for this host",
+                optional_file),
+        Setting("TLS_KEY", "", "the private key of TLS_CERT (PEM)", optional_file),
+        Setting("CORS_ORIGINS", "",
+                "origins whose web pages may call the API (space-separated, "
+                "https://app.example.com); empty: none", origins),
+        Setting("BODY_LIMIT_KIB", "4096", "largest request body the gateway accepts, KiB",
+                integer(1, 1024 * 1024)),
+        Setting("CLIENT_CONNECTIONS", "32",
+                "open connections one client address may hold at the gateway",
+                integer(1, 100000)),
+        Setting("CLIENT_RATE", "300",
+                "requests one client address may make per minute at the gateway",
+                integer(1, 10**7)),
         Setting("SERVER_EXTRA", "",
                 "more server flags, LLAMA_ARG_NAME=value pairs: LLAMA_ARG_BACKEND_SAMPLING=1",
                 server_extra),
         Setting("BUILD_BASE_IMAGE", "", "the image to build the engine on (empty: versions.env's)"),
         Setting("RUNTIME_BASE_IMAGE", "", "the server image's base (empty: versions.env's)"),
         Setting("SMOKE_BASE_IMAGE", "", "the smoke image's base (empty: versions.env's)"),
+        Setting("GATEWAY_BASE_IMAGE", "",
+                "the gateway image's base, HAProxy from its packages (empty: versions.env's)"),
         Setting("REVISION", "",
                 "the project commit for the image tag (empty: this checkout's; provisioning "
                 "passes the controller's)",

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import requests
 
+from ternary_serve import credentials
 from ternary_serve.catalog import CATALOG_FILE, Catalog, Question, load_catalog
 
 # The gate for models the catalog does not name (a URL, a local file): most serve chat models.
@@ -220,10 +221,13 @@ def run(
     ignore_eos: bool,
     timeout: float,
     gate: tuple[tuple, str] = ((), "not asked"),
+    api_key: str | None = None,
 ) -> dict:
     base = base.rstrip("/")
     questions, why = gate
     with requests.Session() as session:
+        if api_key:
+            session.headers["Authorization"] = f"Bearer {api_key}"
         try:
             check_health(session, base, timeout)
             models = list_models(session, base, timeout)
@@ -273,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         help="decode exactly --max-tokens tokens (for throughput numbers)",
     )
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    ap.add_argument(
+        "--api-key-file", type=Path, help="the server's API key (sent as a bearer token)"
+    )
     ap.add_argument("--json", type=Path, help="also write the report here")
     ap.add_argument("--model", type=Path, help="the served model file: it picks the quality gate")
     ap.add_argument(
@@ -285,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         gate = choose_gate(args.quality_gate, args.model, load_catalog(args.catalog))
-        report = run(args.url, args.max_tokens, args.ignore_eos, args.timeout, gate)
-    except SmokeFailure as exc:
+        api_key = credentials.read_api_key(args.api_key_file) if args.api_key_file else None
+        report = run(args.url, args.max_tokens, args.ignore_eos, args.timeout, gate, api_key)
+    except (SmokeFailure, credentials.CredentialError) as exc:
         print(f"smoke: FAIL: {exc}", file=sys.stderr)
         return 1
     print(format_report(report))

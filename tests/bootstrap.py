@@ -4,15 +4,15 @@
 Each step checks first and does nothing when its result is already there, so reruns are cheap:
   docker        Debian's docker.io engine (dockerd started here if it is not running), Compose v2
                 and buildx from trixie's docker-compose and docker-buildx packages
-  base-images   stand-ins for the registry base images: a debootstrapped Debian rootfs imported as
-                local/debian:bookworm-test (the real builds use the nvidia/cuda images), and a
-                Debian 13 image that boots systemd, local/debian:trixie-systemd, for Molecule
+  base-images   the stand-in for the registry base images: a debootstrapped Debian rootfs
+                imported as local/debian:bookworm-test (the real builds use the nvidia/cuda images)
+  molecule-image  a Debian 13 image that boots systemd, local/debian:trixie-systemd, for Molecule
   engine-source mainline llama.cpp from the pinned llama-cpp-python sdist on PyPI
                 -> vendor/llama.cpp
   wheels        the pinned PyTorch CPU wheel this machine keeps in /opt/wheels, linked into
                 docker/wheels/ for the convert image (PyTorch's own index is unreachable here)
 
-Usage: python3 tests/bootstrap.py [docker|base-images|engine-source|wheels|all]
+Usage: python3 tests/bootstrap.py [docker|base-images|molecule-image|engine-source|wheels|all]
 """
 
 from __future__ import annotations
@@ -70,7 +70,10 @@ def ensure_dockerd() -> None:
         return
     say(f"starting dockerd (log: {DOCKERD_LOG})")
     with DOCKERD_LOG.open("ab") as log:
-        subprocess.Popen(["dockerd"], stdout=log, stderr=log, start_new_session=True)
+        # live-restore as the Ansible docker role sets it: containers outlive a dockerd restart.
+        subprocess.Popen(
+            ["dockerd", "--live-restore"], stdout=log, stderr=log, start_new_session=True
+        )
     for _ in range(60):
         if ok("docker", "info"):
             return
@@ -128,6 +131,9 @@ def debootstrap_image(image: str, suite: str, packages: str, *import_changes: st
 
 def ensure_base_images() -> None:
     debootstrap_image(STAND_IN_IMAGE, "bookworm", STAND_IN_PACKAGES)
+
+
+def ensure_molecule_image() -> None:
     debootstrap_image(
         SYSTEMD_IMAGE,
         "trixie",
@@ -195,6 +201,7 @@ def ensure_wheels() -> None:
 STEPS = {
     "docker": (ensure_dockerd, ensure_compose_and_buildx),
     "base-images": (ensure_dockerd, ensure_base_images),
+    "molecule-image": (ensure_dockerd, ensure_molecule_image),
     "engine-source": (ensure_engine_source,),
     "wheels": (ensure_wheels,),
 }

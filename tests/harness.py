@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import ssl
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ternary_serve import config
+import requests
+
+from ternary_serve import client, config, envfile
 from ternary_serve.versions import PROJECT_ROOT
 
 STAND_IN_IMAGE = "local/debian:bookworm-test"
@@ -31,7 +36,11 @@ class Stack:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.env['PUBLISH_PORT']}"
+        return client.published_url(self.env)
+
+    def api(self) -> requests.Session:
+        """An HTTP session as the API's clients have one: the key, the gateway's certificate."""
+        return client.Endpoint.of(self.env).session()
 
     def compose_cmd(self, *args: str) -> list[str]:
         return [
@@ -53,6 +62,39 @@ class Stack:
             timeout=timeout,
         )
 
+    def env_now(self) -> dict[str, str]:
+        """.env as it is now (a deploy rewrites the planned limits)."""
+        return envfile.read(self.workdir / ".env")
+
+    def release(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        """`ternary-serve release ...` on this stack, as `make deploy` runs it."""
+        return subprocess.run(
+            [sys.executable, "-m", "ternary_serve.cli", "release", "--env-file",
+             str(self.workdir / ".env"), "--state-dir", str(self.workdir), *args],
+            cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+
+    def container(self, service: str) -> str:
+        """The running container of a service (its id)."""
+        ids = self.compose("ps", "-q", service).stdout.split()
+        assert ids, f"no {service} container in {self.name}"
+        return ids[0]
+
+    def status_for_declared_body(self, length: int, path: str = "/v1/chat/completions") -> int:
+        """The gateway's answer to a POST whose headers declare a body of `length` bytes, read
+        before any of the body is sent (HTTP libraries that are still sending when the answer
+        comes report a broken connection instead of the status)."""
+        context = ssl.create_default_context(cafile=self.env["GATEWAY_TLS_FILE"])
+        port = int(self.env["PUBLISH_PORT"])
+        with context.wrap_socket(
+            socket.create_connection(("127.0.0.1", port), timeout=30), server_hostname="localhost"
+        ) as conn:
+            conn.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {length}\r\n\r\n".encode()
+            )
+            return int(conn.recv(4096).split(b" ", 2)[1])
+
     def down(self) -> None:
         self.compose("down", "--volumes", "--remove-orphans", timeout=120)
 
@@ -65,6 +107,18 @@ def readable_by_containers(model: Path) -> None:
         directory.chmod(directory.stat().st_mode | 0o005)
     if model.exists():
         model.chmod(0o644)
+
+
+@contextlib.contextmanager
+def deployed(workdir: Path, model: Path, name: str, **settings: str):
+    """A stack configured with these settings and deployed by the release CLI; torn down after."""
+    stack = configure(workdir, model, name, **settings)
+    done = stack.release("deploy")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    try:
+        yield stack
+    finally:
+        stack.down()
 
 
 def configure(workdir: Path, model: Path, name: str, **settings: str) -> Stack:
@@ -81,6 +135,7 @@ def configure(workdir: Path, model: Path, name: str, **settings: str) -> Stack:
         "BUILD_BASE_IMAGE": STAND_IN_IMAGE,
         "RUNTIME_BASE_IMAGE": STAND_IN_IMAGE,
         "SMOKE_BASE_IMAGE": STAND_IN_IMAGE,
+        "GATEWAY_BASE_IMAGE": STAND_IN_IMAGE,
     }
     env, _ = config.configure({**defaults, **settings}, workdir / ".env", workdir, replace=True)
     return Stack(workdir, name, env)

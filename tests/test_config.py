@@ -109,6 +109,12 @@ SERVER_EFFECTS = [
     ("MODEL_SOURCE", "bonsai-2-27b-pq2_0", {}),
     ("MODEL_TYPE", "Q1_0", {}),
     ("PROJECT_NAME", "other-stack", {}),
+    ("WEB_UI", "on", {"LLAMA_ARG_UI": "1"}),
+    ("GATEWAY", "on", {}),
+    ("CORS_ORIGINS", "https://app.example.test", {}),
+    ("BODY_LIMIT_KIB", "64", {}),
+    ("CLIENT_CONNECTIONS", "5", {}),
+    ("CLIENT_RATE", "7", {}),
 ]  # fmt: skip
 
 
@@ -207,3 +213,102 @@ def test_ansible_role_declares_no_setting_of_its_own():
     defaults = (PROJECT_ROOT / "ansible/roles/llm_stack/defaults/main.yml").read_text().lower()
     for name in settings.SETTINGS:
         assert f"llm_stack_{name.lower()}:" not in defaults, name
+
+
+# --- the gateway, the key, the limits -------------------------------------------------------------
+
+
+def compose_config(tmp_path) -> dict:
+    rendered = subprocess.run(
+        ["docker", "compose", "--env-file", str(tmp_path / ".env"), "config", "--format", "json"],
+        cwd=PROJECT_ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(rendered.stdout)
+
+
+@pytest.mark.parametrize(
+    ("given", "on"),
+    [({}, False), ({"PUBLISH_ADDRESS": "0.0.0.0"}, True), ({"GATEWAY": "on"}, True),
+     ({"PUBLISH_ADDRESS": "0.0.0.0", "GATEWAY": "off"}, False)],
+)  # fmt: skip
+def test_the_gateway_is_the_only_published_port_when_on(tmp_path, given, on):
+    env, _ = configure(tmp_path, **given)
+    services = compose_config(tmp_path)["services"]
+    assert ("gateway" in services) is on
+    if on:
+        assert (
+            env["COMPOSE_PROFILES"] == "gateway" and "compose.gateway.yaml" in env["COMPOSE_FILE"]
+        )
+        assert not services["llama-server"].get("ports")
+        (published,) = services["gateway"]["ports"]
+        assert (published["published"], published["target"]) == (env["PUBLISH_PORT"], 8443)
+    else:
+        (published,) = services["llama-server"]["ports"]
+        assert published["host_ip"] == env["PUBLISH_ADDRESS"]
+
+
+def test_gateway_settings_reach_its_configuration(tmp_path):
+    configure(
+        tmp_path, GATEWAY="on", CORS_ORIGINS="https://a.example.test http://b.example.test:8080",
+        BODY_LIMIT_KIB="64", CLIENT_CONNECTIONS="5", CLIENT_RATE="7",
+    )  # fmt: skip
+    cfg = (tmp_path / "haproxy.cfg").read_text()
+    assert "-m str https://a.example.test http://b.example.test:8080" in cfg
+    assert (
+        "content-length) gt 65536\n" in cfg
+        and "sc_conn_cur(0) gt 5 }" in cfg
+        and "sc_http_req_rate(0) gt 7 }" in cfg
+    )
+    assert "always_false" not in cfg and "/slots" not in cfg.split("acl api_path", 1)[1][:400]
+    assert oct((tmp_path / "haproxy.cfg").stat().st_mode & 0o777) == "0o644"  # no secret in it
+    configure(tmp_path, CORS_ORIGINS="")
+    assert "acl cors_allowed always_false" in (tmp_path / "haproxy.cfg").read_text()
+
+
+def test_a_changed_gateway_configuration_changes_its_container(tmp_path):
+    env, _ = configure(tmp_path, GATEWAY="on")
+    before = compose_config(tmp_path)["services"]["gateway"]["labels"]
+    env2, _ = configure(tmp_path, CLIENT_RATE="9")
+    after = compose_config(tmp_path)["services"]["gateway"]["labels"]
+    assert env["GATEWAY_CONFIG_SHA"] != env2["GATEWAY_CONFIG_SHA"] and before != after
+
+
+def test_the_key_and_certificate_are_made_once_private_and_kept(tmp_path):
+    env, _ = configure(tmp_path, GATEWAY="on")
+    key, pem = tmp_path / "api-key", tmp_path / "gateway.pem"
+    for path in (key, pem):
+        assert oct(path.stat().st_mode & 0o777) == "0o640" and path.stat().st_gid == 10001
+    first = (key.read_text(), pem.read_text())
+    assert len(first[0].strip()) >= 40 and "PRIVATE KEY" in first[1]
+    configure(tmp_path, CLIENT_RATE="9")
+    assert (key.read_text(), pem.read_text()) == first
+    secrets = compose_config(tmp_path)["secrets"]
+    assert secrets["api_key"]["file"] == str(key) and env["API_KEY_FILE"] == str(key)
+    assert first[0].strip() not in (tmp_path / ".env").read_text()
+
+
+def test_the_operators_certificate_replaces_the_generated_one(tmp_path):
+    from ternary_serve import credentials
+
+    bundle = credentials.self_signed(["api.example.test"])
+    cert = bundle[: bundle.index("-----BEGIN PRIVATE KEY-----")]
+    (tmp_path / "cert.pem").write_text(cert)
+    (tmp_path / "key.pem").write_text(bundle[len(cert) :])
+    with pytest.raises(config.ConfigError, match="TLS_CERT and TLS_KEY go together"):
+        configure(tmp_path, TLS_CERT=str(tmp_path / "cert.pem"))
+    configure(tmp_path, TLS_CERT=str(tmp_path / "cert.pem"), TLS_KEY=str(tmp_path / "key.pem"))
+    assert (tmp_path / "gateway.pem").read_text() == bundle
+
+
+def test_memory_limits_come_from_the_plan(tmp_path, tiny_model):
+    base = {"MODEL_DIR": str(tiny_model.parent), "MODEL_FILE": tiny_model.name, "BACKEND": "cpu"}
+    env, memory = configure(tmp_path, **base)
+    expected = (
+        memory.host_weights_mib + memory.used_mib + config.CACHE_RAM_MIB
+        + config.CTX_CHECKPOINTS * memory.recurrent_mib + config.HOST_RUNTIME_MIB["cpu"]
+    )  # fmt: skip
+    assert env["SERVER_MEMORY_LIMIT"] == f"{expected}m"
+    server = compose_config(tmp_path)["services"]["llama-server"]
+    assert int(server["mem_limit"]) == expected * 2**20
+    more, _ = configure(tmp_path, SLOTS="2")  # fewer slots: fewer checkpoints, a lower limit
+    assert int(more["SERVER_MEMORY_LIMIT"][:-1]) < expected

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import docker
 import pytest
-import requests
 from harness import configure
 
 from ternary_serve import config, release
@@ -102,12 +101,12 @@ def project(built, tiny_model, tmp_path, request):
 
 def serving(stack) -> str:
     """The release that answers on the published port, by its alias."""
-    models = requests.get(f"{stack.url}/v1/models", timeout=10).json()
+    models = stack.api().get(f"{stack.url}/v1/models", timeout=10).json()
     return models["data"][0]["id"]
 
 
 def chat_ok(stack) -> bool:
-    reply = requests.post(
+    reply = stack.api().post(
         f"{stack.url}/v1/chat/completions",
         timeout=60,
         json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},

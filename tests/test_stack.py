@@ -21,7 +21,6 @@ import time
 
 import numpy as np
 import pytest
-import requests
 from harness import BUILD_TIMEOUT
 
 from ternary_serve import synthetic
@@ -65,18 +64,18 @@ def test_compose_up_serves_and_the_smoke_sidecar_passes(stack_for, tiny_model):
         assert "smoke-1 exited with code 0" in output, output[-3000:]
         assert "smoke: PASS" in output
         # The sidecar is done; the server stays up and answers on the published port.
-        reply = requests.post(
+        reply = stack.api().post(
             f"{stack.url}/v1/chat/completions",
             timeout=60,
             json={"messages": [{"role": "user", "content": "你好"}], "max_tokens": 4},
         )
         assert reply.status_code == 200
         assert reply.json()["choices"][0]["message"]["role"] == "assistant"
-        assert requests.get(f"{stack.url}/health", timeout=10).json() == {"status": "ok"}
-        metrics = requests.get(f"{stack.url}/metrics", timeout=10)  # the template turns it on
+        assert stack.api().get(f"{stack.url}/health", timeout=10).json() == {"status": "ok"}
+        metrics = stack.api().get(f"{stack.url}/metrics", timeout=10)  # the template turns it on
         assert metrics.status_code == 200 and "llamacpp:" in metrics.text
         # No user can read another's live prompt (SLOTS_ENDPOINT defaults to off).
-        slots = requests.get(f"{stack.url}/slots", timeout=10)
+        slots = stack.api().get(f"{stack.url}/slots", timeout=10)
         assert slots.status_code != 200 and "prompt" not in slots.text, slots.text[:300]
         assert_every_flag_is_effective(stack)
         assert_prompt_reuse_through_checkpoints(stack)
@@ -126,17 +125,14 @@ def assert_prompt_reuse_through_checkpoints(stack) -> None:
         {"role": "system", "content": "You answer briefly. " * 40},
         {"role": "user", "content": "Name a colour."},
     ]
-    first = requests.post(
-        f"{stack.url}/v1/chat/completions",
-        timeout=60,
-        json={"messages": history, "max_tokens": 8, "temperature": 0},
-    ).json()
+
+    def turn() -> dict:
+        body = {"messages": history, "max_tokens": 8, "temperature": 0}
+        return stack.api().post(f"{stack.url}/v1/chat/completions", timeout=60, json=body).json()
+
+    first = turn()
     history += [first["choices"][0]["message"], {"role": "user", "content": "Another one?"}]
-    second = requests.post(
-        f"{stack.url}/v1/chat/completions",
-        timeout=60,
-        json={"messages": history, "max_tokens": 8, "temperature": 0},
-    ).json()
+    second = turn()
     assert second["timings"]["cache_n"] > 100, second["timings"]
 
 
@@ -235,7 +231,7 @@ def test_model_init_fetches_the_configured_source_before_the_server_starts(
     assert (models / "model.gguf").read_bytes() == tiny_model.read_bytes()
     manifest = json.loads((models / "model.gguf.manifest.json").read_text())
     assert manifest["sha256"] == digest
-    assert requests.get(f"{stack.url}/health", timeout=10).json() == {"status": "ok"}
+    assert stack.api().get(f"{stack.url}/health", timeout=10).json() == {"status": "ok"}
 
 
 def test_model_init_refuses_a_source_with_the_wrong_checksum(stack_for, tiny_model, tmp_path):

@@ -6,6 +6,7 @@ loading after the reboot, nvidia-smi's version, persistence mode, the GPU reserv
 """
 
 import json
+import shlex
 
 from ternary_serve.versions import load_versions
 
@@ -42,18 +43,50 @@ def test_dockerd_runs_with_the_nvidia_runtime(host):
     daemon = json.loads(host.file("/etc/docker/daemon.json").content_string)
     assert daemon["runtimes"]["nvidia"]["path"] == "nvidia-container-runtime"
     assert "native.cgroupdriver=cgroupfs" in daemon["exec-opts"]
+    assert daemon["live-restore"] is True
     runtimes = json.loads(host.check_output("docker info --format '{{json .Runtimes}}'"))
     assert "nvidia" in runtimes
 
 
-def test_the_stack_is_live_healthy_and_passes_smoke(host):
+GATEWAY = "https://localhost:8080"
+CERT = "/opt/ternary-serve/state/gateway.pem"
+
+
+PROBE = """
+import ssl, sys, urllib.error, urllib.request as u
+request = u.Request("{url}")
+if {key}:
+    key = open("/opt/ternary-serve/state/api-key").read().strip()
+    request.add_header("Authorization", "Bearer " + key)
+try:
+    reply = u.urlopen(request, timeout=10, context=ssl.create_default_context(cafile="{cert}"))
+    print(reply.read().decode(), reply.status)
+except urllib.error.HTTPError as exc:
+    print(exc.read().decode(), exc.code)
+"""
+
+
+def get(host, path: str, key: bool = False) -> str:
+    """A request through the gateway with its certificate (and the key): body and status."""
+    script = PROBE.format(url=GATEWAY + path, key=key, cert=CERT)
+    return host.check_output(f"python3 -c {shlex.quote(script)}")
+
+
+def test_the_stack_is_live_behind_the_gateway_and_passes_smoke(host):
     history = host.file("/opt/ternary-serve/state/releases.jsonl").content_string.splitlines()
     assert json.loads(history[-1])["status"] == "live"
-    health = host.check_output(
-        "python3 -c 'import urllib.request as u; "
-        'print(u.urlopen("http://127.0.0.1:8080/health", timeout=10).read().decode())\''
-    )
-    assert json.loads(health) == {"status": "ok"}
+    assert get(host, "/health") == '{"status":"ok"} 200'
+    assert get(host, "/v1/models").endswith(" 401")
+    assert get(host, "/v1/models", key=True).endswith(" 200")
+    key = host.file("/opt/ternary-serve/state/api-key")
+    assert key.mode == 0o640 and key.gid == 10001
     smoke = host.run("cd /opt/ternary-serve && docker compose run --rm smoke")
     assert smoke.rc == 0, smoke.stdout + smoke.stderr
     assert "smoke: PASS" in smoke.stdout
+
+
+def test_the_firewall_allows_the_gateway_port_and_nothing_else_new(host):
+    added = host.check_output("ufw show added")
+    rules = [line for line in added.splitlines() if line.startswith("ufw ")]
+    assert rules == ["ufw allow 8080/tcp comment 'ternary-serve gateway'"], added
+    assert "inactive" in host.check_output("ufw status")  # the role enables no firewall
