@@ -126,10 +126,10 @@ def release_images(env: dict[str, str]) -> list[str]:
     ]
 
 
-def require_images(client: docker.DockerClient, env: dict[str, str], tag: str) -> None:
+def require_images(engine: docker.DockerClient, env: dict[str, str], tag: str) -> None:
     for repo in release_images(env):
         try:
-            client.images.get(f"{repo}:{tag}")
+            engine.images.get(f"{repo}:{tag}")
         except docker.errors.ImageNotFound:
             raise ReleaseError(
                 f"unknown tag {tag!r}: no local image {repo}:{tag}; `make releases` lists the "
@@ -138,7 +138,7 @@ def require_images(client: docker.DockerClient, env: dict[str, str], tag: str) -
 
 
 def prune(
-    client: docker.DockerClient, env: dict[str, str], history: list[dict], keep: int
+    engine: docker.DockerClient, env: dict[str, str], history: list[dict], keep: int
 ) -> list[str]:
     """Remove release images beyond the newest `keep` deployed tags; never live or previous."""
     newest_first: list[str] = []
@@ -152,7 +152,7 @@ def prune(
             continue
         for repo in release_images(env):
             with contextlib.suppress(docker.errors.ImageNotFound):
-                client.images.remove(f"{repo}:{tag}")
+                engine.images.remove(f"{repo}:{tag}")
         removed.append(tag)
     return removed
 

@@ -18,6 +18,9 @@ from ternary_serve.versions import PROJECT_ROOT
 
 STAND_IN_IMAGE = "local/debian:bookworm-test"
 BUILD_TIMEOUT = 3600
+# The checkout's commit as the session starts: every stack of the session runs the images built for
+# it, though the suite itself writes files into the checkout (docs/chaos.md).
+SESSION_REVISION = config.project_revision()
 
 
 def free_port() -> int:
@@ -136,6 +139,7 @@ def configure(workdir: Path, model: Path, name: str, **settings: str) -> Stack:
         "RUNTIME_BASE_IMAGE": STAND_IN_IMAGE,
         "SMOKE_BASE_IMAGE": STAND_IN_IMAGE,
         "GATEWAY_BASE_IMAGE": STAND_IN_IMAGE,
+        "REVISION": SESSION_REVISION,
     }
     env, _ = config.configure({**defaults, **settings}, workdir / ".env", workdir, replace=True)
     return Stack(workdir, name, env)

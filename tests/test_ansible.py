@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from harness import readable_by_containers
 
 from ternary_serve import release
@@ -186,3 +188,32 @@ def test_ubuntu_sources_and_packages_render_from_the_pins(tmp_path, local_invent
     assert rendered["docker_repo"] == "https://download.docker.com/linux/ubuntu"
     assert f"docker-ce=5:{pins['DOCKER_VERSION']}*" in rendered["docker_packages"]
     assert "docker-compose-plugin" in rendered["docker_packages"]
+
+
+def test_the_collection_pins_are_the_versions_the_tests_run():
+    """ansible/requirements.yml pins every collection the playbooks name, at the version this
+    environment's `ansible` package bundles."""
+    pinned = {
+        c["name"]: c["version"]
+        for c in yaml.safe_load((ANSIBLE_DIR / "requirements.yml").read_text())["collections"]
+    }
+    used = set()
+    for path in ANSIBLE_DIR.rglob("*.yml"):
+        used |= {
+            ".".join(m) for m in re.findall(r"\b(ansible|community)\.(\w+)\.\w+", path.read_text())
+        }
+    used.discard("ansible.builtin")
+    assert used == set(pinned), (used, pinned)
+    listed = subprocess.run(
+        [str(VENV_BIN / "ansible-galaxy"), "collection", "list", "--format", "json"],
+        capture_output=True, text=True, check=True, env=ansible_env(),
+    )  # fmt: skip
+    installed = {
+        name: meta["version"]
+        for path in json.loads(listed.stdout).values()
+        for name, meta in path.items()
+    }
+    for name, version in pinned.items():
+        assert installed.get(name) == version, (
+            f"{name}: pinned {version}, tests run {installed.get(name)}"
+        )

@@ -20,7 +20,7 @@ import pytest
 import requests
 from harness import deployed, free_port
 
-from ternary_serve import credentials, release
+from ternary_serve import client, credentials, release
 from ternary_serve.versions import PROJECT_ROOT
 
 pytestmark = pytest.mark.docker
@@ -155,6 +155,26 @@ def test_cross_origin_requests_only_from_the_configured_origins(gateway):
         assert refused.status_code == 403
         assert "Access-Control-Allow-Origin" not in refused.headers
         assert chat(gateway, headers={**gateway.api().headers, "Origin": origin}).status_code == 403
+
+
+def test_streams_pass_through_the_gateway_as_they_are_made(gateway):
+    """Unbuffered: the first tokens arrive long before the last, in many pieces."""
+    api = client.Endpoint.of(gateway.env_now()).openai(max_retries=0, timeout=120)
+    started = time.monotonic()
+    arrivals = [
+        time.monotonic() - started
+        for chunk in api.chat.completions.create(
+            model="any",
+            messages=[{"role": "user", "content": "Tell a story."}],
+            max_tokens=300,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        if chunk.choices and chunk.choices[0].delta.content
+    ]
+    assert len(arrivals) > 100
+    assert arrivals[0] < arrivals[-1] / 3, (arrivals[0], arrivals[-1])
+    assert len({round(t, 2) for t in arrivals}) > 20  # not one burst at the end
 
 
 def test_bodies_over_the_limit_or_without_a_length_are_refused(gateway):
