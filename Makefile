@@ -93,6 +93,8 @@ convert: build ## SRC=<checkpoint dir or GGUF> -> TYPE (Q2_0) at MODEL_DIR/MODEL
 
 build: config ## build the release's images: server, model-init, smoke, gateway (tags: version, engine, backend)
 	$(COMPOSE) --profile gateway build
+	@# A rebuild under the same tag leaves the old image untagged: remove this project's.
+	docker image prune -f --filter label=com.docker.compose.project=$(call setting,PROJECT_NAME) >/dev/null
 
 release: build ## build and tag a release (the tag is printed; make releases lists deployed ones)
 	@grep '^IMAGE_TAG=' .env

@@ -300,7 +300,9 @@ def sweep_level(
                 done = one_request(
                     client, api, model, offset + index * rounds + r, prompt, max_tokens
                 )
-            except (openai.OpenAIError, BenchError) as exc:
+            # Every failure of a request counts, the prompt's /tokenize calls included: a worker
+            # that died on one would silently make fewer requests than the sweep reports.
+            except (openai.OpenAIError, requests.RequestException, ValueError, BenchError) as exc:
                 with lock:
                     failures.append(f"{type(exc).__name__}: {exc}"[:200])
                 continue
@@ -319,6 +321,7 @@ def sweep_level(
     return {
         "clients": clients,
         "requests": clients * rounds,
+        "completed": len(results),
         "failures": len(failures),
         "failure_samples": failures[:3],
         "completion_tokens": sum(r["completion_tokens"] for r in results),

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from harness import BUILD_TIMEOUT, Stack, configure
+from harness import BUILD_TIMEOUT, Stack, configure, remove_replaced_images
 
 from ternary_serve import synthetic
 
@@ -41,6 +41,7 @@ def built(docker_required, tmp_path_factory, tiny_model) -> Stack:
     stack = configure(tmp_path_factory.mktemp("build"), tiny_model, "ts-build")
     result = stack.compose("--profile", "gateway", "build", timeout=BUILD_TIMEOUT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    remove_replaced_images(stack.name)
     return stack
 
 

@@ -112,6 +112,14 @@ def readable_by_containers(model: Path) -> None:
         model.chmod(0o644)
 
 
+def remove_replaced_images(project: str) -> None:
+    """Images a rebuild of this Compose project left without a tag (`make build` does the same)."""
+    label = f"label=com.docker.compose.project={project}"
+    subprocess.run(
+        ["docker", "image", "prune", "-f", "--filter", label], capture_output=True, check=True
+    )
+
+
 @contextlib.contextmanager
 def deployed(workdir: Path, model: Path, name: str, **settings: str):
     """A stack configured with these settings and deployed by the release CLI; torn down after."""

@@ -101,7 +101,7 @@ def test_a_broken_inventory_stops_the_run(tmp_path):
 
 
 @pytest.fixture
-def molecule_fixtures(built, tiny_model, tmp_path_factory) -> Path:
+def molecule_fixtures(built, tiny_model, tmp_path_factory):
     """What the test host gets instead of a registry: the release images and the tiny model."""
     fixtures = tmp_path_factory.mktemp("molecule-fixtures")
     shutil.copy(tiny_model, fixtures / "tiny-ternary.gguf")
@@ -113,7 +113,8 @@ def molecule_fixtures(built, tiny_model, tmp_path_factory) -> Path:
     )
     readable_by_containers(fixtures / "release-images.tar")
     readable_by_containers(fixtures / "tiny-ternary.gguf")
-    return fixtures
+    yield fixtures
+    (fixtures / "release-images.tar").unlink()  # gigabytes: not left in pytest's kept temp dirs
 
 
 @pytest.mark.docker

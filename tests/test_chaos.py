@@ -90,8 +90,9 @@ def stack(built, models_on_a_small_disk, tmp_path_factory):
         models_on_a_small_disk,
         "ts-chaos",
         GATEWAY="on",
+        # The per-client limits are test_endpoint's; here all 32 clients share one address.
         CLIENT_RATE="100000",
-        CLIENT_CONNECTIONS="64",
+        CLIENT_CONNECTIONS="1000",
         SLOTS="4",
         CONTEXT="512",
     ) as stack:
@@ -203,7 +204,7 @@ def test_32_clients_x_20_streaming_requests_through_the_gateway(stack):
         ttft_p95_s=row["ttft_p95_s"],
     )
     assert row["failures"] == 0, row["failure_samples"]
-    assert row["completion_tokens"] >= 32 * 20  # every request streamed tokens
+    assert row["completed"] == 32 * 20 and row["completion_tokens"] >= 32 * 20
 
 
 def long_stream(api: openai.OpenAI, streaming, ended: list[str]) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import queue
 import re
 import shutil
@@ -21,7 +20,6 @@ import time
 
 import numpy as np
 import pytest
-from harness import BUILD_TIMEOUT
 
 from ternary_serve import synthetic
 from ternary_serve.versions import PROJECT_ROOT
@@ -268,62 +266,19 @@ def test_model_the_engine_cannot_load_makes_the_server_unhealthy(stack_for, tiny
 
 
 def test_our_q2_0_packing_is_byte_identical_to_llama_quantize(built, tmp_path):
-    """The engine's own quantizer, on the same ternary weights as F32, gives the same bytes."""
+    """The engine's own quantizer (the one the model-init image ships), on the same ternary
+    weights as F32, gives the same bytes."""
     gguf = require_ternary_gguf()
-    image = f"ternary-serve/engine-build:{built.env['IMAGE_TAG']}"
-    args = [
-        f"--build-arg={k}={built.env[k]}"
-        for k in (
-            "BUILD_BASE_IMAGE",
-            "ENGINE_SOURCE",
-            "ENGINE_REPO",
-            "ENGINE_REF",
-            "ENGINE_COMMIT",
-            "BACKEND",
-            "CUDA_ARCHITECTURES",
-            "GCC_VERSION",
-            "PROJECT_VERSION",
-        )
-    ]
-    build = subprocess.run(
-        [
-            "docker",
-            "build",
-            "-q",
-            "-f",
-            "docker/Dockerfile",
-            "--target",
-            "engine-build",
-            "-t",
-            image,
-            *args,
-            ".",
-        ],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "DOCKER_BUILDKIT": "1"},
-        timeout=BUILD_TIMEOUT,
-    )
-    assert build.returncode == 0, build.stderr[-3000:]
     synthetic.write_model(tmp_path / "ours.gguf", "llama-tiny", seed=7)
     synthetic.write_model(tmp_path / "f32.gguf", "llama-tiny", seed=7, packed=False)
-    subprocess.run(
-        [
-            "docker",
-            "run",
-            "--rm",
-            "-v",
-            f"{tmp_path}:/m",
-            image,
-            "/opt/engine/bin/llama-quantize",
-            "/m/f32.gguf",
-            "/m/engine.gguf",
-            "Q2_0",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    quantized = subprocess.run(
+        ["docker", "run", "--rm", "-v", f"{tmp_path}:/m", "--entrypoint",
+         "/opt/engine/bin/llama-quantize",
+         f"{built.env['MODEL_INIT_IMAGE']}:{built.env['IMAGE_TAG']}",
+         "/m/f32.gguf", "/m/engine.gguf", "Q2_0"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert quantized.returncode == 0, quantized.stderr[-3000:]
     ours = {t.name: t for t in gguf.GGUFReader(tmp_path / "ours.gguf").tensors}
     engine = {t.name: t for t in gguf.GGUFReader(tmp_path / "engine.gguf").tensors}
     packed = [name for name, t in ours.items() if t.tensor_type.name == "Q2_0"]
