@@ -31,6 +31,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import requests
+import requests.adapters
+import urllib3.util
 
 from ternary_serve import config, credentials, envfile, settings
 from ternary_serve.client import Endpoint
@@ -231,28 +233,44 @@ def batched_bench(engine: Engine, flags: dict[str, str], slots: int, pp: int, tg
     ]
 
 
-def prompt_of(api: Endpoint, n_tokens: int, request: int) -> str:
+def tokenizer_session(api: Endpoint) -> requests.Session:
+    """One keep-alive session per client for /tokenize and /detokenize, which are idempotent:
+    a connection the gateway dropped before answering is retried (twice), the chat request never
+    is (its failures are the sweep's)."""
+    http = api.session()
+    retry = urllib3.util.Retry(total=2, allowed_methods=None, status=0, backoff_factor=0.2)
+    http.mount("https://", requests.adapters.HTTPAdapter(max_retries=retry))
+    http.mount("http://", requests.adapters.HTTPAdapter(max_retries=retry))
+    return http
+
+
+def prompt_of(api: Endpoint, http: requests.Session, n_tokens: int, request: int) -> str:
     """A distinct prompt per request (the prompt cache must not serve it) of n_tokens tokens, cut
     to length by the server's own tokenizer (/tokenize, /detokenize)."""
     words = " ".join(f"item{(request * 7919 + i) % 10007}" for i in range(n_tokens))
     text = f"Request {request}. Continue this list without stopping: {words}"
-    with api.session() as http:
-        tokens = http.post(f"{api.url}/tokenize", json={"content": text}, timeout=60).json()
-        cut = http.post(
-            f"{api.url}/detokenize", json={"tokens": tokens["tokens"][:n_tokens]}, timeout=60
-        )
+    tokens = http.post(f"{api.url}/tokenize", json={"content": text}, timeout=60).json()
+    cut = http.post(
+        f"{api.url}/detokenize", json={"tokens": tokens["tokens"][:n_tokens]}, timeout=60
+    )
     return cut.json()["content"]
 
 
 def one_request(
-    client, api: Endpoint, model: str, request: int, prompt_tokens: int, max_tokens: int
+    client,
+    api: Endpoint,
+    http: requests.Session,
+    model: str,
+    request: int,
+    prompt_tokens: int,
+    max_tokens: int,
 ) -> dict:
     started = time.monotonic()
     first = None
     usage = timings = None
     stream = client.chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": prompt_of(api, prompt_tokens, request)}],
+        messages=[{"role": "user", "content": prompt_of(api, http, prompt_tokens, request)}],
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
@@ -295,19 +313,25 @@ def sweep_level(
     lock = threading.Lock()
 
     def worker(index: int) -> None:
-        for r in range(rounds):
-            try:
-                done = one_request(
-                    client, api, model, offset + index * rounds + r, prompt, max_tokens
-                )
-            # Every failure of a request counts, the prompt's /tokenize calls included: a worker
-            # that died on one would silently make fewer requests than the sweep reports.
-            except (openai.OpenAIError, requests.RequestException, ValueError, BenchError) as exc:
+        with tokenizer_session(api) as http:
+            for r in range(rounds):
+                try:
+                    done = one_request(
+                        client, api, http, model, offset + index * rounds + r, prompt, max_tokens
+                    )
+                # Every failure of a request counts, the prompt's /tokenize calls included: a worker
+                # that died on one would silently make fewer requests than the sweep reports.
+                except (
+                    openai.OpenAIError,
+                    requests.RequestException,
+                    ValueError,
+                    BenchError,
+                ) as exc:
+                    with lock:
+                        failures.append(f"{type(exc).__name__}: {exc}"[:200])
+                    continue
                 with lock:
-                    failures.append(f"{type(exc).__name__}: {exc}"[:200])
-                continue
-            with lock:
-                results.append(done)
+                    results.append(done)
 
     started = time.monotonic()
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
