@@ -8,18 +8,17 @@ import stat
 from pathlib import Path
 
 from ternary_serve.convert import convert
+from ternary_serve.credentials import SERVICE_UID
 from ternary_serve.fetch import obtain, parser, run_reporting
 from ternary_serve.versions import configured_engine_repo
 from ternary_serve.weights import WeightsError, engine_family, verify
-
-SERVER_UID = 10001  # the llama-server image's user
 
 
 def require_server_can_read(path: Path) -> None:
     """model-init runs as root; the server does not, so it needs the world-read bits."""
     if not path.stat().st_mode & stat.S_IROTH or not path.parent.stat().st_mode & stat.S_IXOTH:
         raise WeightsError(
-            f"{path} is not readable by uid {SERVER_UID} (the server's user): "
+            f"{path} is not readable by uid {SERVICE_UID} (the server's user): "
             "chmod a+r the file and a+rx its directory"
         )
 
