@@ -45,11 +45,11 @@ SETTING_ARGS := $(foreach v,$(SETTING_NAMES),$(if $(filter command line,$(origin
 	$(if $(MODEL)$(SOURCE),'MODEL_SOURCE=$(or $(MODEL),$(SOURCE))') $(if $(SHA256),'MODEL_SHA256=$(SHA256)') \
 	$(if $(BASE_IMAGE_OVERRIDE),$(foreach role,BUILD RUNTIME SMOKE GATEWAY,'$(role)_BASE_IMAGE=$(BASE_IMAGE_OVERRIDE)'))
 
-.PHONY: help venv versions config settings plan model convert build release up deploy rollback releases \
-	rotate-key down bench smoke logs demo test lint bootstrap
+.PHONY: help venv versions config settings plan model convert build release up deploy rollback releases images-bundle \
+	rotate-key down bench smoke logs demo test lint bootstrap constraints
 
 help: ## list targets
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
 $(VENV)/.installed: pyproject.toml
 	python3 tests/bootstrap.py engine-source
@@ -66,6 +66,25 @@ versions: ## the pins this checkout builds with (versions.env)
 	@echo "offline  $(MAINLINE_ENGINE_REPO) @ $(OFFLINE_ENGINE_REF) (commit $(OFFLINE_ENGINE_COMMIT))"
 	@echo "cuda     $(CUDA_VERSION), architectures $(CUDA_ARCHITECTURES), gcc $(GCC_VERSION)"
 	@echo "images   $(CUDA_BUILD_IMAGE) -> $(CUDA_RUNTIME_IMAGE); cpu: $(CPU_RUNTIME_IMAGE)"
+
+# Every distribution the smoke and convert images install from PyPI, pinned once for both (their
+# Dockerfile stages install under PIP_CONSTRAINT=docker/constraints.txt): the converter's
+# requirements as the convert stage filters them, torch at TORCH_VERSION, the build backends of
+# the two local packages (pip's build isolation honours PIP_CONSTRAINT too), the engine's gguf-py
+# and the project (local: not pinned, their dependencies are). --universal from Python 3.10
+# (the CUDA runtime's Ubuntu 22.04) up: a pin that differs by Python carries a marker. Pins
+# already in the file are kept where they still fit; delete it first to move all to the latest.
+constraints: venv ## re-pin docker/constraints.txt: all the smoke and convert images install from PyPI
+	python3 tests/bootstrap.py wheels
+	{ sed -e '/^torch/d' -e '/^-/d' -e '/^gguf/d' \
+		vendor/llama.cpp/requirements/requirements-convert_hf_to_gguf.txt \
+		vendor/llama.cpp/requirements/requirements-convert_legacy_llama.txt; \
+	  printf '%s\n' 'torch==$(TORCH_VERSION)' setuptools poetry-core ./vendor/llama.cpp/gguf-py .; } \
+	| $(VENV)/bin/uv pip compile - --quiet --universal --python-version 3.10 --no-python-downloads \
+		--find-links docker/wheels $(if $(wildcard docker/wheels/torch-*.whl),,--extra-index-url \
+		$(TORCH_INDEX_URL) --index-strategy unsafe-best-match) --no-emit-package gguf \
+		--no-emit-package ternary-serve --annotation-style line \
+		--custom-compile-command 'make constraints' --output-file docker/constraints.txt
 
 config: venv ## settings NAME=value (kept in settings.env); writes .env and the server flags with the plan
 	$(CLI) config $(SETTING_ARGS)
@@ -98,6 +117,9 @@ build: config ## build the release's images: server, model-init, smoke, gateway 
 
 release: build ## build and tag a release (the tag is printed; make releases lists deployed ones)
 	@grep '^IMAGE_TAG=' .env
+
+images-bundle: build ## the release's four images in one archive (build/), for llm_stack_images_bundle
+	$(CLI) release bundle
 
 up: build ## build, fetch MODEL/SOURCE if given, deploy: live only if healthy and smoke passes
 	$(if $(MODEL)$(SOURCE),$(MAKE) --no-print-directory model)

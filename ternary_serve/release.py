@@ -137,6 +137,30 @@ def require_images(engine: docker.DockerClient, env: dict[str, str], tag: str) -
             ) from None
 
 
+def bundle_path(tag: str) -> Path:
+    return PROJECT_ROOT / "build" / f"ternary-serve-images-{tag}.tar"
+
+
+def bundle(env: dict[str, str], tag: str, out: Path) -> str:
+    """The release's images in one `docker save` archive: what the Ansible role loads on a host
+    that has no registry, or should not build (a second box, an offline one)."""
+    engine = docker.from_env()
+    require_images(engine, env, tag)
+    names = [f"{repo}:{tag}" for repo in release_images(env)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    print(f"release: saving {len(names)} images of {tag} to {out} (a few GB)", flush=True)
+    result = subprocess.run(
+        ["docker", "save", "-o", str(partial), *names], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        partial.unlink(missing_ok=True)
+        detail = (result.stderr.strip().splitlines() or ["docker save failed"])[-1]
+        raise ReleaseError(f"bundle of {tag} not written ({detail}): free space under {out.parent}")
+    partial.rename(out)  # never a half-written bundle under the final name
+    return f"bundle: {out} ({out.stat().st_size / 2**30:.1f} GiB): {', '.join(names)}"
+
+
 def prune(
     engine: docker.DockerClient, env: dict[str, str], history: list[dict], keep: int
 ) -> list[str]:
@@ -452,12 +476,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub.add_parser("list")
     sub.add_parser("rotate-key", help="a new API key for the live release, through the gate")
+    bundle_args = sub.add_parser("bundle", help="the release's images in one archive")
+    bundle_args.add_argument("tag", nargs="?", help="image tag (default: the one in the env file)")
+    bundle_args.add_argument("--out", type=Path, help="default: build/ternary-serve-images-TAG.tar")
     args = ap.parse_args(argv)
     project = Project(args.env_file, args.state_dir)
     started = time.monotonic()
     try:
         if args.action == "list":
             print(format_history(read_history(project), running(project.env())))
+            return 0
+        if args.action == "bundle":
+            tag = args.tag or project.env()["IMAGE_TAG"]
+            print(bundle(project.env(), tag, args.out or bundle_path(tag)))
             return 0
         options = {"wait_timeout": args.wait_timeout, "keep": args.keep}
         if args.action == "deploy":

@@ -7,12 +7,15 @@ Each step checks first and does nothing when its result is already there, so rer
   base-images   the stand-in for the registry base images: a debootstrapped Debian rootfs
                 imported as local/debian:bookworm-test (the real builds use the nvidia/cuda images)
   molecule-image  a Debian 13 image that boots systemd, local/debian:trixie-systemd, for Molecule
+  cuda-images   stand-ins for the nvidia/cuda:12.4.1 devel and runtime images, from Debian 13's
+                non-free CUDA 12.4 packages: local/cuda-standin:12.4-devel and :12.4-runtime
   engine-source mainline llama.cpp from the pinned llama-cpp-python sdist on PyPI
                 -> vendor/llama.cpp
   wheels        the pinned PyTorch CPU wheel this machine keeps in /opt/wheels, linked into
                 docker/wheels/ for the convert image (PyTorch's own index is unreachable here)
 
-Usage: python3 tests/bootstrap.py [docker|base-images|molecule-image|engine-source|wheels|all]
+Usage: python3 tests/bootstrap.py
+         [docker|base-images|molecule-image|cuda-images|engine-source|wheels|all]
 """
 
 from __future__ import annotations
@@ -38,6 +41,14 @@ STAND_IN_PACKAGES = "python3,python3-venv,ca-certificates"
 # The Molecule test host: a Debian 13 "machine" that boots systemd in a container.
 SYSTEMD_IMAGE = "local/debian:trixie-systemd"
 SYSTEMD_PACKAGES = "systemd,systemd-sysv,dbus,sudo,python3,python3-apt,ca-certificates,iproute2"
+# Stand-ins for nvidia/cuda:12.4.1-{devel,runtime}-ubuntu22.04 (see ensure_cuda_images).
+CUDA_DEVEL_IMAGE = "local/cuda-standin:12.4-devel"
+CUDA_RUNTIME_IMAGE = "local/cuda-standin:12.4-runtime"
+# nvcc, its headers and libraries (nvidia-cuda-dev, with the stub libcuda.so) and cuobjdump.
+CUDA_DEVEL_PACKAGES = "nvidia-cuda-toolkit"
+# What a CUDA build of the engine loads besides the driver's libcuda.so.1 (`ldd llama-server`).
+CUDA_RUNTIME_PACKAGES = "libcudart12,libcublas12,libcublaslt12"
+CUDA_COMPONENTS = "main,contrib,non-free"
 DOCKERD_LOG = Path("/var/log/dockerd-tests.log")
 # Parts of the sdist's llama.cpp tree no build or test reads (vocab fixtures, docs, media).
 # .git is a submodule pointer into the sdist author's checkout: dangling here.
@@ -106,7 +117,16 @@ def ensure_compose_and_buildx() -> None:
         sh("dpkg", "-i", *map(str, Path(tmp).glob("*.deb")))
 
 
-def debootstrap_image(image: str, suite: str, packages: str, *import_changes: str) -> None:
+def debootstrap_image(
+    image: str,
+    suite: str,
+    packages: str,
+    *import_changes: str,
+    components: str = "main",
+    extra_files: dict[str, str] | None = None,
+) -> None:
+    """A minbase rootfs of `suite` with `packages`, plus `extra_files` (path in the rootfs:
+    content), imported as `image`; nothing to do when the image exists."""
     if ok("docker", "image", "inspect", image):
         return
     if not shutil.which("debootstrap"):
@@ -117,11 +137,17 @@ def debootstrap_image(image: str, suite: str, packages: str, *import_changes: st
             "debootstrap",
             "--variant=minbase",
             f"--include={packages}",
+            f"--components={components}",
             suite,
             rootfs,
             DEBIAN_MIRROR,
             stdout=subprocess.DEVNULL,
         )
+        for rel, content in (extra_files or {}).items():
+            Path(rootfs, rel).write_text(content)
+        # debootstrap leaves its downloads in the rootfs (2 GB for the CUDA toolkit).
+        for deb in Path(rootfs, "var/cache/apt/archives").glob("*.deb"):
+            deb.unlink()
         tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
         changes = [arg for change in import_changes for arg in ("--change", change)]
         sh("docker", "import", *changes, "-", image, stdin=tar.stdout)
@@ -140,6 +166,39 @@ def ensure_molecule_image() -> None:
         SYSTEMD_PACKAGES,
         'CMD ["/lib/systemd/systemd"]',
         "ENV container=docker",
+    )
+
+
+def ensure_cuda_images() -> None:
+    """Stand-ins for the CUDA base images, so that CI builds the CUDA server image through the
+    same Dockerfile stages (tests/test_cuda_image.py). Debian 13's non-free CUDA 12.4.1 packages
+    (nvcc 12.4.131) on a Debian 13 userland, where the real ones are NVIDIA's packages on Ubuntu
+    22.04. What differs from nvidia/cuda:12.4.1-devel/-runtime-ubuntu22.04:
+      - the toolkit lives where Debian puts it (/usr/bin/nvcc, /usr/lib/nvidia-cuda-toolkit,
+        libraries and stubs/ in /usr/lib/x86_64-linux-gnu), not in /usr/local/cuda-12.4, and
+        none of NVIDIA's ENV (CUDA_VERSION, NVIDIA_VISIBLE_DEVICES, NVIDIA_DRIVER_CAPABILITIES,
+        PATH, LD_LIBRARY_PATH) is set;
+      - glibc 2.41 and Debian 13's packages, not Ubuntu 22.04's glibc 2.35 (what the devel
+        stand-in builds needs glibc 2.38: it runs on the runtime stand-in, not on bookworm);
+      - gcc-11 is not in Debian 13: the devel stand-in carries a Debian 12 apt source, from
+        which the Dockerfile's toolchain stage installs gcc-11/g++-11 (Ubuntu 22.04's own);
+        Debian's toolkit package also pulls in g++-13;
+      - Debian's nvidia-cuda-dev depends on the driver's libcuda1 (550.163.01), so the devel
+        stand-in carries a real libcuda.so.1 (NVIDIA's devel image has only the stub); the
+        runtime stand-in has none, as on a GPU host where the NVIDIA runtime injects it;
+      - the runtime stand-in holds only cudart, cuBLAS and cuBLASLt (what the engine loads),
+        not the runtime image's other libraries (cuFFT, cuRAND, cuSPARSE, NPP, NCCL).
+    """
+    extra = {"etc/apt/sources.list.d/bookworm.list": f"deb {DEBIAN_MIRROR} bookworm main\n"}
+    debootstrap_image(
+        CUDA_DEVEL_IMAGE,
+        "trixie",
+        CUDA_DEVEL_PACKAGES,
+        components=CUDA_COMPONENTS,
+        extra_files=extra,
+    )
+    debootstrap_image(
+        CUDA_RUNTIME_IMAGE, "trixie", CUDA_RUNTIME_PACKAGES, components=CUDA_COMPONENTS
     )
 
 
@@ -202,6 +261,7 @@ STEPS = {
     "docker": (ensure_dockerd, ensure_compose_and_buildx),
     "base-images": (ensure_dockerd, ensure_base_images),
     "molecule-image": (ensure_dockerd, ensure_molecule_image),
+    "cuda-images": (ensure_dockerd, ensure_cuda_images),
     "engine-source": (ensure_engine_source,),
     "wheels": (ensure_wheels,),
 }

@@ -8,9 +8,54 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from harness import BUILD_TIMEOUT, Stack, configure, remove_replaced_images
+from bootstrap import CUDA_DEVEL_IMAGE, CUDA_RUNTIME_IMAGE
+from harness import (
+    BUILD_TIMEOUT,
+    BackgroundBuild,
+    Stack,
+    configure,
+    remove_earlier_sessions_images,
+    remove_replaced_images,
+)
 
 from ternary_serve import synthetic
+
+# The CUDA image's tests (their build runs beside the whole suite) and the one suite that must not
+# run while it builds (test_chaos restarts dockerd, which would cut a build).
+CUDA_IMAGE_TESTS = "test_cuda_image.py"
+CHAOS_TESTS = "test_chaos.py"
+
+
+def pytest_collection_modifyitems(items):
+    """The chaos suite and then the CUDA image's tests run last (see cuda_build)."""
+    last = {CHAOS_TESTS: 1, CUDA_IMAGE_TESTS: 2}
+    items.sort(key=lambda item: last.get(item.path.name, 0))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cuda_build(request, tmp_path_factory):
+    """The CUDA server image's build (tests/test_cuda_image.py), started with the session when
+    those tests are selected and run beside all the others at the lowest CPU priority: cold, it is
+    about 40 minutes of CPU on 2 cores, most of which the rest of the suite leaves idle while it
+    waits for health checks and timeouts. None when it is not needed."""
+    selected = any(item.path.name == CUDA_IMAGE_TESTS for item in request.session.items)
+    if not selected or not docker_available():
+        yield None
+        return
+    workdir = tmp_path_factory.mktemp("cuda")
+    (workdir / "models").mkdir()
+    # No model in place: the config plans nothing, so it needs no nvidia-smi.
+    stack = configure(
+        workdir / "stack",
+        workdir / "models" / "absent.gguf",
+        "ts-cuda-image",
+        BACKEND="cuda",
+        BUILD_BASE_IMAGE=CUDA_DEVEL_IMAGE,
+        RUNTIME_BASE_IMAGE=CUDA_RUNTIME_IMAGE,
+    )
+    build = BackgroundBuild(stack, ["llama-server"], marker=b"--backend\x00cuda\x00")
+    yield build
+    build.stop()
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +87,7 @@ def built(docker_required, tmp_path_factory, tiny_model) -> Stack:
     result = stack.compose("--profile", "gateway", "build", timeout=BUILD_TIMEOUT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     remove_replaced_images(stack.name)
+    remove_earlier_sessions_images(stack.name, stack.env["IMAGE_TAG"])
     return stack
 
 

@@ -102,17 +102,12 @@ def test_a_broken_inventory_stops_the_run(tmp_path):
 
 @pytest.fixture
 def molecule_fixtures(built, tiny_model, tmp_path_factory):
-    """What the test host gets instead of a registry: the release images and the tiny model."""
+    """What the test host gets instead of a registry: the release's images bundle (what `make
+    images-bundle` writes; the role copies and loads it) and the tiny model."""
     fixtures = tmp_path_factory.mktemp("molecule-fixtures")
     shutil.copy(tiny_model, fixtures / "tiny-ternary.gguf")
-    images = [f"{repo}:{built.env['IMAGE_TAG']}" for repo in release.release_images(built.env)]
-    subprocess.run(
-        ["docker", "save", "-o", str(fixtures / "release-images.tar"), *images],
-        check=True,
-        timeout=900,
-    )
-    readable_by_containers(fixtures / "release-images.tar")
     readable_by_containers(fixtures / "tiny-ternary.gguf")
+    release.bundle(built.env, built.env["IMAGE_TAG"], fixtures / "release-images.tar")
     yield fixtures
     (fixtures / "release-images.tar").unlink()  # gigabytes: not left in pytest's kept temp dirs
 
@@ -137,10 +132,11 @@ def test_site_yml_converges_idempotently_and_serves(molecule_fixtures):
     print("\n".join(line for line in result.stdout.splitlines() if " ---" in line))
 
 
-def test_ubuntu_sources_and_packages_render_from_the_pins(tmp_path, local_inventory):
+def test_ubuntu_sources_packages_and_pins_render_from_versions_env(tmp_path, local_inventory):
     """Rendering test, a stand-in for Ubuntu 22.04 (no Ubuntu or NVIDIA apt repository is
-    reachable here): the Ubuntu variables of the roles, rendered by Ansible with the pins from
-    versions.env, name NVIDIA's and Docker's real repositories and the pinned packages."""
+    reachable here; tests/test_ubuntu_standin.py runs the driver role against a repository that
+    behaves like jammy's): the roles' Ubuntu variables and apt preferences, rendered by Ansible
+    with the pins from versions.env, name the real repositories and pin every package."""
     out = tmp_path / "rendered.json"
     play = tmp_path / "render.yml"
     roles = ANSIBLE_DIR / "roles"
@@ -152,21 +148,34 @@ def test_ubuntu_sources_and_packages_render_from_the_pins(tmp_path, local_invent
     ansible_distribution: Ubuntu
     ansible_distribution_version: "22.04"
     ansible_distribution_release: jammy
+    nvidia_container_toolkit_package_source: nvidia
   tasks:
     - ansible.builtin.include_vars: {ANSIBLE_DIR / "group_vars/all.yml"}
+    - ansible.builtin.include_vars: {roles / "nvidia_driver/defaults/main.yml"}
+    - ansible.builtin.include_vars: {roles / "nvidia_driver/vars/main.yml"}
     - ansible.builtin.include_vars: {roles / "nvidia_driver/vars/Ubuntu.yml"}
     - ansible.builtin.include_vars: {roles / "cuda_toolkit/defaults/main.yml"}
     - ansible.builtin.include_vars: {roles / "cuda_toolkit/vars/Ubuntu.yml"}
+    - ansible.builtin.include_vars: {roles / "nvidia_container_toolkit/defaults/main.yml"}
+    - ansible.builtin.include_vars: {roles / "nvidia_container_toolkit/vars/main.yml"}
     - ansible.builtin.include_vars: {roles / "docker/defaults/main.yml"}
     - ansible.builtin.include_vars: {roles / "docker/vars/main.yml"}
+    - ansible.builtin.template:
+        src: {roles / "nvidia_driver/templates/nvidia-driver.pref.j2"}
+        dest: {tmp_path / "driver.pref"}
+        mode: "0644"
+    - ansible.builtin.template:
+        src: {roles / "nvidia_container_toolkit/templates/nvidia-container-toolkit.pref.j2"}
+        dest: {tmp_path / "toolkit.pref"}
+        mode: "0644"
     - ansible.builtin.copy:
         dest: {out}
         content: "{{{{ rendered | to_json }}}}"
         mode: "0644"
       vars:
         rendered:
-          driver: "{{{{ nvidia_driver_packages }}}}"
-          driver_version: "{{{{ nvidia_driver_version }}}}"
+          driver: "{{{{ nvidia_driver_install_names }}}}"
+          driver_version: "{{{{ nvidia_driver_installed_version }}}}"
           cuda_repo: "{{{{ cuda_toolkit_ubuntu_repo }}}}"
           cuda_packages: "{{{{ cuda_toolkit_packages }}}}"
           cuda_home: "{{{{ cuda_toolkit_home }}}}"
@@ -179,16 +188,88 @@ def test_ubuntu_sources_and_packages_render_from_the_pins(tmp_path, local_invent
     assert result.returncode == 0, result.stdout[-3000:]
     rendered = json.loads(out.read_text())
     pins = load_versions()
-    assert rendered["driver"][0] == f"nvidia-driver-{pins['NVIDIA_DRIVER_BRANCH']}"
-    assert rendered["driver_version"] == pins["NVIDIA_DRIVER_VERSION"]
+    branch, version = pins["NVIDIA_DRIVER_BRANCH"], pins["NVIDIA_DRIVER_VERSION"]
+    # The server branch's own packages, never a transitional nvidia-driver-550.
+    assert rendered["driver"] == [
+        f"nvidia-headless-{branch}-server={version}-*",
+        f"nvidia-utils-{branch}-server={version}-*",
+    ]
+    assert rendered["driver_version"] == version
+    driver_pref = (tmp_path / "driver.pref").read_text()
+    records = [r for r in driver_pref.split("\n\n") if "Package:" in r]
+    assert [r.split("Pin: ")[1].split("\n")[0] for r in records] == [
+        "release o=Ubuntu",
+        "release a=now",
+        "version *",
+    ]
+    assert records[-1].rstrip().endswith("Pin-Priority: -1")
+    assert all("Package: /^(lib)?nvidia-|" in r for r in records)
     assert rendered["cuda_repo"] == (
         "https://developer.download.nvidia.com/compute/cuda/repos/ubuntu2204/x86_64/"
     )
     assert rendered["cuda_packages"] == ["cuda-toolkit-" + pins["CUDA_VERSION"].replace(".", "-")]
     assert rendered["cuda_home"] == f"/usr/local/cuda-{pins['CUDA_VERSION']}"
+    toolkit = pins["NVIDIA_CONTAINER_TOOLKIT_VERSION"]
+    toolkit_pref = (tmp_path / "toolkit.pref").read_text()
+    four = (
+        "Package: nvidia-container-toolkit nvidia-container-toolkit-base "
+        "libnvidia-container-tools libnvidia-container1"
+    )
+    assert f"{four}\nPin: version {toolkit}-1\nPin-Priority: 990" in toolkit_pref
+    assert f"{four}\nPin: version *\nPin-Priority: -1" in toolkit_pref
+    assert 'Package: *\nPin: origin "nvidia.github.io"\nPin-Priority: -1' in toolkit_pref
     assert rendered["docker_repo"] == "https://download.docker.com/linux/ubuntu"
-    assert f"docker-ce=5:{pins['DOCKER_VERSION']}*" in rendered["docker_packages"]
-    assert "docker-compose-plugin" in rendered["docker_packages"]
+    assert rendered["docker_packages"] == [
+        f"docker-ce=5:{pins['DOCKER_VERSION']}-*",
+        f"docker-ce-cli=5:{pins['DOCKER_VERSION']}-*",
+        f"containerd.io={pins['DOCKER_CONTAINERD_VERSION']}-*",
+        f"docker-buildx-plugin={pins['DOCKER_BUILDX_VERSION']}-*",
+        f"docker-compose-plugin={pins['DOCKER_COMPOSE_VERSION']}-*",
+    ]
+
+
+@pytest.mark.parametrize(
+    "simulation, conflicts",
+    [
+        # jammy today: the 550 name is a transitional package to 570, and 570 to 580.
+        ("Inst nvidia-headless-550-server (550.163.01-0ubuntu0.22.04.2 Ubuntu:22.04 [amd64])\n"
+         "Inst nvidia-headless-580-server (580.142-0ubuntu0.22.04.1 Ubuntu:22.04 [amd64])\n",
+         ["nvidia-headless-580-server 580.142-0ubuntu0.22.04.1 (Ubuntu:22.04 [amd64])"]),
+        # A branch package at another version (NVIDIA's CUDA repository's build).
+        ("Inst libnvidia-compute-550-server [550.100-0ubuntu1] (550.163.02-0ubuntu1 NVIDIA)\n",
+         ["libnvidia-compute-550-server 550.163.02-0ubuntu1 (NVIDIA)"]),
+        # The archive moved on: the candidate is not the pinned version.
+        ("Inst nvidia-headless-550-server (550.163.05-0ubuntu0.22.04.1 Ubuntu [amd64])\n",
+         ["nvidia-headless-550-server 550.163.05-0ubuntu0.22.04.1 (Ubuntu [amd64])"]),
+        # Unversioned names (Debian's) are checked when they are the ones asked for.
+        ("Inst nvidia-driver (550.163.05-1 Debian [amd64])\n"
+         "Inst nvidia-smi (550.54.14-1 Debian [amd64])\n",
+         ["nvidia-driver 550.163.05-1 (Debian [amd64])"]),
+        # The pinned branch and version, the container toolkit and unrelated packages pass.
+        ("Inst nvidia-headless-550-server (550.163.01-0ubuntu0.22.04.2 Ubuntu [amd64])\n"
+         "Inst nvidia-firmware-550-server-550.163.01 (550.163.01-0ubuntu0.22.04.2 Ubuntu [amd64])\n"
+         "Inst libnvidia-container1 (1.17.8-1 nvidia [amd64])\n"
+         "Inst libnvidia-egl-wayland1 (1:1.1.9-1.1 Ubuntu [amd64])\n"
+         "Inst dkms (2.8.7-2ubuntu2.2 Ubuntu [all])\n", []),
+    ],
+)  # fmt: skip
+def test_the_driver_plan_check_finds_packages_off_the_pinned_branch(simulation, conflicts):
+    """The nvidia_driver role's reading of `apt-get --simulate` (its filter plugin)."""
+    sys.path.insert(0, str(ANSIBLE_DIR / "roles/nvidia_driver/filter_plugins"))
+    try:
+        from driver_plan import driver_plan_conflicts
+    finally:
+        sys.path.pop(0)
+    role_vars = yaml.safe_load((ANSIBLE_DIR / "roles/nvidia_driver/vars/main.yml").read_text())
+    found = driver_plan_conflicts(
+        simulation,
+        ["nvidia-headless-550-server", "nvidia-utils-550-server", "nvidia-driver"],
+        role_vars["nvidia_driver_package_regex"],
+        role_vars["nvidia_driver_not_driver_regex"],
+        "550",
+        "550.163.01",
+    )
+    assert found == conflicts
 
 
 def test_the_collection_pins_are_the_versions_the_tests_run():

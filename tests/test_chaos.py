@@ -27,7 +27,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from harness import deployed, readable_by_containers
+from harness import CUDA_BUILD_TIMEOUT, deployed, readable_by_containers
 
 from ternary_serve import bench, synthetic
 from ternary_serve.client import Endpoint
@@ -313,10 +313,12 @@ def dockerd_command() -> tuple[int, list[str]]:
     return pid, Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").decode().split("\0")
 
 
-def test_dockerd_restart_the_stack_comes_back_on_its_own(stack):
+def test_dockerd_restart_the_stack_comes_back_on_its_own(stack, cuda_build):
     """Requests every half second through the restart: how many failed, and the longest time
     without an answer (the Ansible docker role turns live-restore on; tests/bootstrap.py starts
     this machine's dockerd the same way)."""
+    if cuda_build is not None:  # a restart would cut the CUDA image's build (conftest)
+        cuda_build.wait(CUDA_BUILD_TIMEOUT)
     pid, command = dockerd_command()
     live_restore = subprocess.run(
         ["docker", "info", "--format", "{{.LiveRestoreEnabled}}"], capture_output=True, text=True

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import docker
 import pytest
-from harness import configure
+from harness import configure, release_whose_server_is
 
 from ternary_serve import config, release
 from ternary_serve.versions import PROJECT_ROOT
@@ -32,17 +32,6 @@ from ternary_serve.weights import SYNTHETIC_MARKER
 pytestmark = pytest.mark.docker
 
 WAIT = 120
-
-
-def release_whose_server_is(client, built, tag: str, context: Path, dockerfile: str) -> str:
-    """Tag `tag` on every release image: the server built from dockerfile, the rest as built."""
-    server = built.env["SERVER_IMAGE"]
-    (context / "Dockerfile").write_text(f"FROM {server}:{built.env['IMAGE_TAG']}\n" + dockerfile)
-    client.images.build(path=str(context), tag=f"{server}:{tag}", rm=True)
-    for repo in release.release_images(built.env):
-        if repo != server:
-            client.images.get(f"{repo}:{built.env['IMAGE_TAG']}").tag(repo, tag)
-    return tag
 
 
 def remove_releases(client, built, tags) -> None:
@@ -61,7 +50,6 @@ def tags(built, tmp_path_factory):
         args = ["--no-such-flag"] if name == "v3" else ["--alias", f"release-{name}"]
         entrypoint = json.dumps(["/usr/local/bin/llama-server", *args])
         made[name] = release_whose_server_is(
-            client,
             built,
             f"test-release-{name}",
             tmp_path_factory.mktemp(name),
@@ -80,7 +68,6 @@ def standin_tags(built, tmp_path_factory):
         context = tmp_path_factory.mktemp(mode)
         shutil.copy(Path(__file__).with_name("standin_server.py"), context)
         made[mode] = release_whose_server_is(
-            client,
             built,
             f"test-standin-{mode}",
             context,

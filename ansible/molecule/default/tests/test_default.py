@@ -6,6 +6,7 @@ loading after the reboot, nvidia-smi's version, persistence mode, the GPU reserv
 """
 
 import json
+import re
 import shlex
 
 from ternary_serve.versions import load_versions
@@ -24,13 +25,37 @@ def test_nvcc_is_cuda_12_4_for_login_shells(host):
 
 
 def test_driver_packages_are_pinned_and_held(host):
+    version = PINS["NVIDIA_DRIVER_DEBIAN_VERSION"]
     for name in ("nvidia-driver", "nvidia-kernel-dkms", "nvidia-smi"):
         package = host.package(name)
         assert package.is_installed
-        assert package.version.startswith(PINS["NVIDIA_DRIVER_VERSION"])
-    held = host.check_output("apt-mark showhold").split()
-    assert {"nvidia-driver", "nvidia-kernel-dkms", "nvidia-smi"} <= set(held)
+        assert package.version.startswith(f"{version}-")
+    # Held is exactly what dpkg says is installed at the driver's version, read back, not named.
+    rows = host.check_output("dpkg-query -W -f '${db:Status-Status} ${Package} ${Version}\\n'")
+    at_version = {
+        name
+        for status, name, pkg_version in (row.split() for row in rows.splitlines())
+        if status == "installed"
+        and re.match(r"(lib)?nvidia-(?!container)", name)
+        and pkg_version.startswith(f"{version}-")
+    }
+    held = set(host.check_output("apt-mark showhold").split())
+    assert {"nvidia-driver", "nvidia-kernel-dkms", "nvidia-smi"} <= at_version
+    assert at_version <= held
+    assert {name for name in held if re.match(r"(lib)?nvidia-(?!container)", name)} == at_version
     assert "nvidia-container-toolkit" in held
+
+
+def test_apt_preferences_keep_the_driver_on_one_origin_and_the_toolkit_at_its_pin(host):
+    driver = host.file("/etc/apt/preferences.d/20-ternary-serve-nvidia-driver").content_string
+    assert "Pin: release o=Debian\nPin-Priority: 500" in driver
+    assert "Pin: version *\nPin-Priority: -1" in driver
+    toolkit = PINS["NVIDIA_CONTAINER_TOOLKIT_VERSION"]
+    policy = host.check_output("apt-cache policy nvidia-container-toolkit")
+    assert f"{toolkit}-1 990" in policy
+    assert host.file("/lib/udev/rules.d/71-nvidia-dev-char.rules").contains(
+        "create-dev-char-symlinks --create-all"
+    )
 
 
 def test_nouveau_is_blacklisted_and_unattended_upgrades_skip_the_driver(host):
