@@ -69,16 +69,15 @@ versions: ## the pins this checkout builds with (versions.env)
 
 # Every distribution the smoke and convert images install from PyPI, pinned once for both (their
 # Dockerfile stages install under PIP_CONSTRAINT=docker/constraints.txt): the converter's
-# requirements as the convert stage filters them, torch at TORCH_VERSION, the build backends of
-# the two local packages (pip's build isolation honours PIP_CONSTRAINT too), the engine's gguf-py
+# requirements through the convert stage's own filter (docker/convert_requirements.py), torch at
+# TORCH_VERSION, the build backends of the two local packages (pip's build isolation honours
+# PIP_CONSTRAINT too), the engine's gguf-py
 # and the project (local: not pinned, their dependencies are). --universal from Python 3.10
 # (the CUDA runtime's Ubuntu 22.04) up: a pin that differs by Python carries a marker. Pins
 # already in the file are kept where they still fit; delete it first to move all to the latest.
 constraints: venv ## re-pin docker/constraints.txt: all the smoke and convert images install from PyPI
 	python3 tests/bootstrap.py wheels
-	{ sed -e '/^torch/d' -e '/^-/d' -e '/^gguf/d' \
-		vendor/llama.cpp/requirements/requirements-convert_hf_to_gguf.txt \
-		vendor/llama.cpp/requirements/requirements-convert_legacy_llama.txt; \
+	{ python3 docker/convert_requirements.py vendor/llama.cpp/requirements; \
 	  printf '%s\n' 'torch==$(TORCH_VERSION)' setuptools poetry-core ./vendor/llama.cpp/gguf-py .; } \
 	| $(VENV)/bin/uv pip compile - --quiet --universal --python-version 3.10 --no-python-downloads \
 		--find-links docker/wheels $(if $(wildcard docker/wheels/torch-*.whl),,--extra-index-url \

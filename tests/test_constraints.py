@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,20 +86,6 @@ def pyproject(path: Path) -> dict:
     return tomllib.loads(path.read_text())
 
 
-def converter_requirements() -> list[str]:
-    """The engine's converter requirements as the convert stage installs them (its sed): less the
-    torch pin (TORCH_VERSION replaces it), gguf (the engine's own gguf-py) and pip options."""
-    lines = []
-    for name in ("requirements-convert_hf_to_gguf.txt", "requirements-convert_legacy_llama.txt"):
-        for raw in (ENGINE_SOURCE / "requirements" / name).read_text().splitlines():
-            if raw.startswith(("torch", "-", "gguf")):
-                continue
-            line = re.sub(r"(^|\s)#.*", "", raw).strip()
-            if line:
-                lines.append(line)
-    return lines
-
-
 def declared_requirements() -> dict[str, list[str]]:
     """What asks for each PyPI distribution the images install, by where it is declared."""
     project = pyproject(PROJECT_ROOT / "pyproject.toml")
@@ -111,7 +98,17 @@ def declared_requirements() -> dict[str, list[str]]:
         gguf_py = pyproject(ENGINE_SOURCE / "gguf-py" / "pyproject.toml")
         found["gguf-py dependencies"] = gguf_py["project"]["dependencies"]
         found["gguf-py [build-system] requires"] = gguf_py["build-system"]["requires"]
-        found["the engine's converter requirements"] = converter_requirements()
+        # What the convert stage installs, through the stage's own filter.
+        found["the engine's converter requirements"] = subprocess.run(
+            [
+                sys.executable,
+                PROJECT_ROOT / "docker" / "convert_requirements.py",
+                ENGINE_SOURCE / "requirements",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.splitlines()
     return found
 
 
