@@ -30,7 +30,13 @@ EMBEDDINGS_TYPE ?=
 BASE_IMAGE_OVERRIDE ?=
 # make bench: where its JSON and PNG go.
 BENCH_OUT ?= $(CURDIR)/bench
-MAKE_ONLY := TAG MODEL SOURCE SHA256 SRC TYPE EMBEDDINGS_TYPE BASE_IMAGE_OVERRIDE BENCH_OUT
+# make fleet-*: the Ansible inventory of the serving hosts and the gateway (ansible/inventory by
+# default; ansible/inventory.fleet.example shows three 4090 boxes), and hosts per batch after the
+# canary.
+INVENTORY ?= $(CURDIR)/ansible/inventory
+BATCH ?= 1
+MAKE_ONLY := TAG MODEL SOURCE SHA256 SRC TYPE EMBEDDINGS_TYPE BASE_IMAGE_OVERRIDE BENCH_OUT INVENTORY \
+	BATCH
 # The stand-in that tests/bootstrap.py builds on machines without registry access.
 STAND_IN_IMAGE := local/debian:bookworm-test
 
@@ -46,7 +52,8 @@ SETTING_ARGS := $(foreach v,$(SETTING_NAMES),$(if $(filter command line,$(origin
 	$(if $(BASE_IMAGE_OVERRIDE),$(foreach role,BUILD RUNTIME SMOKE GATEWAY,'$(role)_BASE_IMAGE=$(BASE_IMAGE_OVERRIDE)'))
 
 .PHONY: help venv versions config settings plan model convert build release up deploy rollback releases images-bundle \
-	rotate-key down bench smoke logs demo test lint bootstrap constraints
+	rotate-key down bench smoke logs demo test lint bootstrap constraints fleet-deploy fleet-rollback \
+	fleet-releases
 
 help: ## list targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -132,6 +139,17 @@ rollback: venv ## back to the previous good release, or to TAG=...
 
 releases: venv ## the release history: tag, when, model manifest, smoke result, live marker
 	$(CLI) release list
+
+# A fleet (ansible/deploy.yml, rollback.yml, releases.yml; run from ansible/ for its ansible.cfg).
+PLAYBOOK = cd ansible && $(CURDIR)/$(VENV)/bin/ansible-playbook -i $(INVENTORY)
+fleet-deploy: images-bundle ## roll this checkout's release across INVENTORY: canary host first, then BATCH at a time
+	$(PLAYBOOK) deploy.yml -e release_tag="$$(grep '^IMAGE_TAG=' .env | cut -d= -f2)" -e rollout_batch=$(BATCH)
+
+fleet-rollback: venv ## the fleet back to TAG=... (or each replica's previous good release), canary first
+	$(PLAYBOOK) rollback.yml $(if $(TAG),-e release_tag=$(TAG)) -e rollout_batch=$(BATCH)
+
+fleet-releases: venv ## which release every replica of INVENTORY's serving hosts runs
+	$(PLAYBOOK) releases.yml
 
 rotate-key: venv ## a new API key for the live release (restarted, smoke tested; else the old key stays)
 	$(CLI) release rotate-key

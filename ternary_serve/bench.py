@@ -256,21 +256,13 @@ def prompt_of(api: Endpoint, http: requests.Session, n_tokens: int, request: int
     return cut.json()["content"]
 
 
-def one_request(
-    client,
-    api: Endpoint,
-    http: requests.Session,
-    model: str,
-    request: int,
-    prompt_tokens: int,
-    max_tokens: int,
-) -> dict:
+def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
     started = time.monotonic()
     first = None
     usage = timings = None
     stream = client.chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": prompt_of(api, http, prompt_tokens, request)}],
+        messages=[{"role": "user", "content": prompt}],
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
@@ -295,6 +287,27 @@ def one_request(
     }
 
 
+def decode_rate(api: Endpoint, requests_n: int = 3, max_tokens: int = 64) -> float:
+    """The release gate's short benchmark: the median decode rate (tokens/s, the server's own
+    timings) of requests_n single requests of max_tokens tokens each, one after another."""
+    import openai
+
+    client = api.openai(timeout=120, max_retries=0)
+    model = served_model(api)
+    rates = []
+    for request in range(requests_n):
+        prompt = f"Request {request}. Count upwards from one, separated by spaces:"
+        try:
+            done = one_request(client, model, prompt, max_tokens)
+        except openai.OpenAIError as exc:
+            raise BenchError(f"a measuring request failed: {type(exc).__name__}: {exc}") from None
+        if done["decode_tokens_per_s"]:
+            rates.append(done["decode_tokens_per_s"])
+    if not rates:
+        raise BenchError("the server reported no decode timing")
+    return statistics.median(rates)
+
+
 def percentile(values: list[float], share: float) -> float | None:
     if not values:
         return None
@@ -316,9 +329,9 @@ def sweep_level(
         with tokenizer_session(api) as http:
             for r in range(rounds):
                 try:
-                    done = one_request(
-                        client, api, http, model, offset + index * rounds + r, prompt, max_tokens
-                    )
+                    request = offset + index * rounds + r
+                    text = prompt_of(api, http, prompt, request)
+                    done = one_request(client, model, text, max_tokens)
                 # Every failure of a request counts, the prompt's /tokenize calls included: a worker
                 # that died on one would silently make fewer requests than the sweep reports.
                 except (

@@ -18,6 +18,7 @@ COMMANDS = {
         "release",
         "deploy a tag (rolled back unless healthy and smoke passes), roll back, list",
     ),
+    "fleet": ("fleet", "render a fleet gateway's files: every replica of every serving host"),
     "smoke": ("smoke", "smoke test a running server"),
     "fetch": ("fetch", "download a GGUF (resumable, checksummed, verified) into place"),
     "model-init": ("model_init", "fetch or convert the configured model, then verify it"),

@@ -25,6 +25,7 @@ import re
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import docker
@@ -211,21 +212,48 @@ def render_server_env(values: dict[str, str], memory: plan.Plan | None) -> str:
     return text + "".join(f"{key}={value}\n" for key, value in extra.items())
 
 
-def render_gateway(values: dict[str, str], memory: plan.Plan | None) -> str:
+@dataclass(frozen=True)
+class Backend:
+    """One llama-server behind the gateway; slots: its memory plan's (None: not planned yet)."""
+
+    name: str
+    address: str
+    port: int
+    slots: int | None = None
+
+
+@dataclass(frozen=True)
+class GatewayPlacement:
+    """Where the gateway runs: in the stack's Compose project (the default), or on a host of its
+    own in front of a fleet (ternary_serve.fleet)."""
+
+    bind_address: str = ""  # every address
+    port: int = GATEWAY_PORT
+    # A gateway started as root (systemd) drops to this user once it holds its port and files.
+    run_as: str | None = None
+    tls_file: str = "/run/secrets/gateway_tls"
+    stats_socket: str = "/tmp/haproxy.sock"
+    # Backends named by Docker's DNS, which follows a container across restarts.
+    docker_dns: bool = True
+    metrics_bind: str | None = None  # the Prometheus exporter's address:port, or none
+
+
+def render_gateway(
+    values: dict[str, str], backends: list[Backend], placement: GatewayPlacement
+) -> str:
     """HAProxy's configuration: TLS, limits per client, CORS, the API's paths only, and at most
     one request per server slot passed on (the rest wait in the gateway's queue)."""
     return (
         templates()
         .get_template(GATEWAY_TEMPLATE)
         .render(
-            gateway_port=GATEWAY_PORT,
-            server_port=SERVER_PORT,
-            slots=memory.slots if memory else None,
+            servers=backends,
             body_limit=int(values["BODY_LIMIT_KIB"]) * 1024,
             client_connections=int(values["CLIENT_CONNECTIONS"]),
             client_rate=int(values["CLIENT_RATE"]),
             cors_origins=values["CORS_ORIGINS"].split(),
             web_ui=values["WEB_UI"] == "on",
+            **vars(placement),
         )
     )
 
@@ -241,10 +269,20 @@ def planned(values: dict[str, str]) -> tuple[dict[str, str], dict[str, str], pla
         raise ConfigError(str(exc)) from None
     files = {
         SERVER_ENV: render_server_env(values, memory),
-        GATEWAY_CONFIG: render_gateway(values, memory),
+        GATEWAY_CONFIG: render_gateway(
+            values,
+            [
+                Backend(
+                    "llama-server", "llama-server", SERVER_PORT, memory.slots if memory else None
+                )
+            ],
+            GatewayPlacement(),
+        ),
     }
     derived = {
         **memory_limits(values, memory),
+        # Requests the server takes at once: a fleet gateway passes each replica this many.
+        "SERVER_SLOTS": str(memory.slots) if memory else "",
         "GATEWAY_CONFIG_SHA": hashlib.sha256(files[GATEWAY_CONFIG].encode()).hexdigest()[:16],
     }
     return files, derived, memory
@@ -302,6 +340,7 @@ def configure(
     env_file: Path = PROJECT_ROOT / ".env",
     state_dir: Path = PROJECT_ROOT / "state",
     replace: bool = False,
+    api_key_from: Path | None = None,
 ) -> tuple[dict[str, str], plan.Plan | None]:
     """Check and keep the settings, write .env and the server flags; nothing is written unless
     every setting is valid and the plan fits. Returns Compose's variables and the plan."""
@@ -318,7 +357,11 @@ def configure(
     env.update(derived)
     check_port(values)
     try:
-        changed = credentials.ensure_api_key(Path(env["API_KEY_FILE"]))
+        key_file = Path(env["API_KEY_FILE"])
+        if api_key_from is None:
+            changed = credentials.ensure_api_key(key_file)
+        else:
+            changed = credentials.adopt_api_key(key_file, api_key_from)
         changed |= credentials.ensure_tls(
             Path(env["GATEWAY_TLS_FILE"]),
             values["TLS_CERT"],
@@ -352,13 +395,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--env-file", type=Path, default=PROJECT_ROOT / ".env")
     ap.add_argument("--state-dir", type=Path, default=PROJECT_ROOT / "state")
+    ap.add_argument(
+        "--api-key-from",
+        type=Path,
+        metavar="FILE",
+        help="serve with this API key (a fleet's: `ternary-serve fleet key`), not a new one",
+    )
     args = ap.parse_args(argv)
     if args.show:
         print(json.dumps(envfile.read(args.env_file) if args.env_file.is_file() else {}))
         return 0
     try:
         given = settings.parse_assignments(args.assignments)
-        env, memory = configure(given, args.env_file, args.state_dir, args.replace)
+        env, memory = configure(
+            given, args.env_file, args.state_dir, args.replace, args.api_key_from
+        )
     except (ConfigError, SettingError) as exc:
         print(f"config: {exc}", file=sys.stderr)
         return 1

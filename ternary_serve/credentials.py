@@ -26,10 +26,11 @@ class CredentialError(Exception):
     """A secret that cannot be written where the containers read it; the message names the fix."""
 
 
-def write_secret(path: Path, text: str) -> None:
-    """Write text in one rename, mode 0640, group SERVICE_UID: root and the containers read it."""
+def write_secret(path: Path, text: str, group: int | None = SERVICE_UID) -> None:
+    """Write text in one rename, mode 0640, group SERVICE_UID: root and the containers read it.
+    group None: a file only its owner reads (0600), such as the fleet's copies on the controller."""
     try:
-        envfile.write_atomic(path, text, 0o640, SERVICE_UID)
+        envfile.write_atomic(path, text, 0o600 if group is None else 0o640, group)
     except PermissionError:
         raise CredentialError(
             f"{path} must belong to group {SERVICE_UID} (the containers' user) to be read by "
@@ -41,11 +42,23 @@ def new_api_key() -> str:
     return "ts-" + secrets.token_urlsafe(KEY_BYTES)
 
 
-def ensure_api_key(path: Path) -> bool:
+def ensure_api_key(path: Path, group: int | None = SERVICE_UID) -> bool:
     """Generate the host's API key once; an existing key is kept (rotate_key replaces it)."""
     if path.is_file() and path.read_text().strip():
         return False
-    write_secret(path, new_api_key() + "\n")
+    write_secret(path, new_api_key() + "\n", group)
+    return True
+
+
+def adopt_api_key(path: Path, source: Path) -> bool:
+    """Serve with the key in source (a fleet's, shared by every replica) instead of one of this
+    host's own. A server reads its key when it starts: a changed key needs a redeploy."""
+    key = read_api_key(source)
+    if not key:
+        raise CredentialError(f"{source} holds no API key: run `ternary-serve fleet key` again")
+    if path.is_file() and path.read_text().strip() == key:
+        return False
+    write_secret(path, key + "\n")
     return True
 
 
@@ -99,9 +112,17 @@ def self_signed(names: list[str]) -> str:
     )
 
 
-def ensure_tls(path: Path, cert: str, key: str, address: str) -> bool:
+def ensure_tls(
+    path: Path,
+    cert: str,
+    key: str,
+    address: str,
+    names: list[str] | None = None,
+    group: int | None = SERVICE_UID,
+) -> bool:
     """The gateway's certificate + key bundle: the operator's files (cert, key) when given, else
-    one generated once for this host's name, localhost and the published address."""
+    one generated once for names (default: this host's name and localhost) and the published
+    address."""
     if cert:
         try:
             bundle = Path(cert).read_text().rstrip("\n") + "\n" + Path(key).read_text()
@@ -115,12 +136,12 @@ def ensure_tls(path: Path, cert: str, key: str, address: str) -> bool:
             )
         if path.is_file() and path.read_text() == bundle:
             return False
-        write_secret(path, bundle)
+        write_secret(path, bundle, group)
         return True
     if path.is_file() and "PRIVATE KEY" in path.read_text():
         return False
-    names = [socket.getfqdn(), "localhost", "127.0.0.1", "::1"]
+    names = [*(names or [socket.getfqdn(), "localhost", "127.0.0.1", "::1"])]
     if address not in ("0.0.0.0", "::"):
         names.append(address)
-    write_secret(path, self_signed(names))
+    write_secret(path, self_signed(names), group)
     return True

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import docker
 import docker.errors
+import requests
 
-from ternary_serve import client, config, credentials, envfile, settings
+from ternary_serve import bench, client, config, credentials, envfile, settings
 from ternary_serve.versions import PROJECT_ROOT
 
 HISTORY_FILE = "releases.jsonl"
@@ -248,6 +249,40 @@ def bring_up(project: Project, tag: str, wait_timeout: int, recreate: bool = Fal
     return None
 
 
+def recorded_rate(history: list[dict], tag: str | None) -> float | None:
+    """The decode rate the gate recorded when tag last went live here (None: never measured)."""
+    for record in reversed(history):
+        live = record.get("tag") == tag and record.get("status") == "live"
+        if live and record.get("decode_tokens_per_s"):
+            return record["decode_tokens_per_s"]
+    return None
+
+
+def decode_gate(
+    env: dict[str, str], gate: int, baseline: tuple[str, float] | None
+) -> tuple[float | None, str | None]:
+    """The live server's decode rate, and what is wrong with it (None: nothing): under gate % of
+    the baseline release's recorded rate, or not measurable."""
+    try:
+        rate = bench.decode_rate(client.Endpoint.of(env))
+    except (bench.BenchError, requests.RequestException) as exc:
+        return None, f"decode benchmark failed: {exc}"
+    if baseline is None:
+        print(f"decode gate: {rate:.1f} tokens/s (no earlier rate here to compare)", flush=True)
+        return rate, None
+    tag, previous = baseline
+    print(
+        f"decode gate: {rate:.1f} tokens/s; {tag} recorded {previous:.1f} (at least {gate}%)",
+        flush=True,
+    )
+    if rate < previous * gate / 100:
+        return rate, (
+            f"decodes {rate:.1f} tokens/s, under {gate}% of the {previous:.1f} recorded for "
+            f"{tag} (DECODE_GATE)"
+        )
+    return rate, None
+
+
 def deploy(
     project: Project,
     tag: str,
@@ -306,9 +341,22 @@ def deploy(
         append_history(project, tag=tag, status="started", event=event, model_manifest=manifest)
         print(f"{event}: starting {tag}", flush=True)
         failure = bring_up(project, tag, wait_timeout, recreate)
+        smoke = "fail" if failure else "pass"
+        rate = None
+        gate = int(values["DECODE_GATE"])
+        if failure is None and gate:
+            previous = recorded_rate(history, fallback)
+            baseline = (fallback, previous) if fallback and previous else None
+            rate, failure = decode_gate(project.env(), gate, baseline)
         if failure is None:
             append_history(
-                project, tag=tag, status="live", event=event, smoke="pass", model_manifest=manifest
+                project,
+                tag=tag,
+                status="live",
+                event=event,
+                smoke="pass",
+                model_manifest=manifest,
+                decode_tokens_per_s=rate,
             )
             removed = prune(engine, env, read_history(project), keep)
             pruned = f"; pruned {', '.join(removed)}" if removed else ""
@@ -318,9 +366,10 @@ def deploy(
             tag=tag,
             status="failed",
             event=event,
-            smoke="fail",
+            smoke=smoke,
             detail=failure,
             model_manifest=manifest,
+            decode_tokens_per_s=rate,
         )
         if fallback is None or fallback == tag:
             raise ReleaseError(
@@ -420,7 +469,7 @@ def format_history(history: list[dict], now: dict | None) -> str:
     `!` where the history says live and Docker disagrees. A last line says what runs."""
     live = current_live(history)
     serving = now is not None and now["state"] == "running" and now["tag"] == live
-    rows = [("", "TAG", "WHEN", "EVENT", "STATUS", "SMOKE", "MODEL MANIFEST")]
+    rows = [("", "TAG", "WHEN", "EVENT", "STATUS", "SMOKE", "DECODE T/S", "MODEL MANIFEST")]
     for r in history:
         if r.get("status") == "started":
             continue
@@ -432,6 +481,7 @@ def format_history(history: list[dict], now: dict | None) -> str:
                 r.get("event", "-"),
                 r.get("status", "?"),
                 r.get("smoke", "-"),
+                f"{r['decode_tokens_per_s']:.1f}" if r.get("decode_tokens_per_s") else "-",
                 (r.get("model_manifest") or "-")[:12],
             )
         )

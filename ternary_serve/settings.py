@@ -194,6 +194,10 @@ SETTINGS = {
         Setting("CLIENT_RATE", "300",
                 "requests one client address may make per minute at the gateway",
                 integer(1, 10**7)),
+        Setting("DECODE_GATE", "80",
+                "a release goes live only if it decodes at least this % of the tokens/s recorded "
+                "for the release it replaces on this server (a short benchmark after the smoke "
+                "test); 0: not measured", integer(0, 100)),
         Setting("SERVER_EXTRA", "",
                 "more server flags, LLAMA_ARG_NAME=value pairs: LLAMA_ARG_BACKEND_SAMPLING=1",
                 server_extra),

@@ -14,11 +14,12 @@ from harness import (
     BackgroundBuild,
     Stack,
     configure,
+    readable_by_containers,
     remove_earlier_sessions_images,
     remove_replaced_images,
 )
 
-from ternary_serve import synthetic
+from ternary_serve import release, synthetic
 
 # The CUDA image's tests (their build runs beside the whole suite) and the one suite that must not
 # run while it builds (test_chaos restarts dockerd, which would cut a build).
@@ -106,3 +107,15 @@ def stack_for(built, tmp_path, request):
     yield make
     for stack in made:
         stack.down()
+
+
+@pytest.fixture(scope="session")
+def molecule_fixtures(built, tiny_model, tmp_path_factory) -> Path:
+    """What the Molecule hosts get instead of a registry: the release's images bundle (what `make
+    images-bundle` writes; the llm_stack role copies and loads it) and the tiny model."""
+    fixtures = tmp_path_factory.mktemp("molecule-fixtures")
+    shutil.copy(tiny_model, fixtures / "tiny-ternary.gguf")
+    readable_by_containers(fixtures / "tiny-ternary.gguf")
+    release.bundle(built.env, built.env["IMAGE_TAG"], fixtures / "release-images.tar")
+    yield fixtures
+    (fixtures / "release-images.tar").unlink()  # gigabytes: not left in pytest's kept temp dirs

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import platform
 import socket
 import ssl
 import subprocess
@@ -12,6 +14,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import docker
@@ -22,6 +25,8 @@ from ternary_serve import client, config, envfile, release
 from ternary_serve.versions import PROJECT_ROOT
 
 STAND_IN_IMAGE = "local/debian:bookworm-test"
+ANSIBLE_DIR = PROJECT_ROOT / "ansible"
+VENV_BIN = Path(sys.executable).parent
 BUILD_TIMEOUT = 3600
 # The checkout's commit as the session starts: every stack of the session runs the images built for
 # it, though the suite itself writes files into the checkout (docs/chaos.md).
@@ -255,6 +260,48 @@ def configure(workdir: Path, model: Path, name: str, **settings: str) -> Stack:
         "SMOKE_BASE_IMAGE": STAND_IN_IMAGE,
         "GATEWAY_BASE_IMAGE": STAND_IN_IMAGE,
         "REVISION": SESSION_REVISION,
+        # Off unless a test is about it: a tiny model's CPU decode rate follows the machine's
+        # load, so two deploys minutes apart could differ by more than any gate allows.
+        "DECODE_GATE": "0",
     }
     env, _ = config.configure({**defaults, **settings}, workdir / ".env", workdir, replace=True)
     return Stack(workdir, name, env)
+
+
+def ansible_env(**extra: str) -> dict[str, str]:
+    """The environment ansible-playbook and molecule run in: this venv's tools, the project's
+    roles, plain output at a width nothing wraps."""
+    return {
+        **os.environ,
+        "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
+        "ANSIBLE_ROLES_PATH": str(ANSIBLE_DIR / "roles"),
+        "ANSIBLE_FORCE_COLOR": "0",
+        "NO_COLOR": "1",
+        "COLUMNS": "400",  # molecule wraps its output at the terminal width
+        **extra,
+    }
+
+
+def write_figures(
+    stem: str, title: str, intro: str, columns: list[str], rows: list[dict], raw: list[dict]
+) -> None:
+    """docs/<stem>.md (a table: one row per figure, the given columns of rows) and
+    docs/results/<stem>.json (raw), stamped with the time and the machine the suite ran on."""
+    docker_info = subprocess.run(
+        ["docker", "info", "--format", "{{.ServerVersion}} live-restore={{.LiveRestoreEnabled}}"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    machine = f"{os.cpu_count()} CPUs, {platform.machine()}, Docker {docker_info}"
+    when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    results = PROJECT_ROOT / "docs" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{stem}.json").write_text(
+        json.dumps({"when": when, "machine": machine, "scenarios": raw}, indent=2) + "\n"
+    )
+    lines = ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
+    (PROJECT_ROOT / "docs" / f"{stem}.md").write_text(
+        f"# {title}\n\n{intro}\n\nRun: {when}, {machine}.\n\n"
+        "| " + " | ".join(columns) + " |\n"
+        "|" + "---|" * len(columns) + "\n" + "\n".join(lines) + "\n"
+    )

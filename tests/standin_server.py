@@ -14,7 +14,8 @@ completion as llama-server does when llama_decode() fails (HTTP 500 "Compute err
 /health 200 and /metrics throughout, as llama-server's HTTP threads do.
 
 Usage: python3 standin_server.py right|wrong|gibberish|hang|fail [PORT]
-       (PORT default: $LLAMA_ARG_PORT)
+       (PORT default: $LLAMA_ARG_PORT; the decode rate its timings report:
+       $STANDIN_DECODE_PER_SECOND, default 200)
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {json.dumps(delta, ensure_ascii=False)}\n\n".encode())
             self.wfile.flush()
             time.sleep(0.005)
-        final = {"choices": [], "usage": usage, "timings": {"predicted_per_second": 200.0}}
+        rate = float(os.environ.get("STANDIN_DECODE_PER_SECOND", "200"))
+        final = {"choices": [], "usage": usage, "timings": {"predicted_per_second": rate}}
         self.wfile.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
 
     def log_message(self, *args):

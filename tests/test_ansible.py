@@ -10,32 +10,19 @@ replaced by stand-ins named in molecule.yml; the README lists what is verified o
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from harness import readable_by_containers
+from harness import ANSIBLE_DIR, VENV_BIN, ansible_env
 
-from ternary_serve import release
+from ternary_serve import settings
 from ternary_serve.versions import PROJECT_ROOT, load_versions
 
-ANSIBLE_DIR = PROJECT_ROOT / "ansible"
 MOLECULE_DOCKER_VOLUME = "ts-molecule-docker"  # ansible/molecule/default/molecule.yml
-VENV_BIN = Path(sys.executable).parent
-
-
-def ansible_env(**extra: str) -> dict[str, str]:
-    return {
-        **os.environ,
-        "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
-        "ANSIBLE_ROLES_PATH": str(ANSIBLE_DIR / "roles"),
-        **extra,
-    }
 
 
 def playbook(*args: str, cwd: Path = ANSIBLE_DIR) -> subprocess.CompletedProcess:
@@ -98,18 +85,6 @@ def test_a_broken_inventory_stops_the_run(tmp_path):
     result = playbook("-i", str(inventory), "site.yml")
     assert result.returncode != 0
     assert "unable to parse" in (result.stdout + result.stderr).lower()
-
-
-@pytest.fixture
-def molecule_fixtures(built, tiny_model, tmp_path_factory):
-    """What the test host gets instead of a registry: the release's images bundle (what `make
-    images-bundle` writes; the role copies and loads it) and the tiny model."""
-    fixtures = tmp_path_factory.mktemp("molecule-fixtures")
-    shutil.copy(tiny_model, fixtures / "tiny-ternary.gguf")
-    readable_by_containers(fixtures / "tiny-ternary.gguf")
-    release.bundle(built.env, built.env["IMAGE_TAG"], fixtures / "release-images.tar")
-    yield fixtures
-    (fixtures / "release-images.tar").unlink()  # gigabytes: not left in pytest's kept temp dirs
 
 
 @pytest.mark.docker
@@ -299,3 +274,17 @@ def test_the_collection_pins_are_the_versions_the_tests_run():
         assert installed.get(name) == version, (
             f"{name}: pinned {version}, tests run {installed.get(name)}"
         )
+
+
+def test_the_roles_setting_defaults_are_the_settings_modules():
+    """The llm_stack role needs a few settings before the project is on the host (the GPU check,
+    what the tarball carries, the replicas' ports and names): its fallbacks must be the defaults
+    ternary_serve/settings.py declares."""
+    text = (ANSIBLE_DIR / "roles/llm_stack/vars/main.yml").read_text()
+    fallbacks = dict(re.findall(r"llm_stack_settings\.(\w+) \| default\('?([^')]+)'?\)", text))
+    assert set(fallbacks) == {
+        "BACKEND", "ENGINE_SOURCE", "PUBLISH_PORT", "PROJECT_NAME", "PUBLISH_ADDRESS"
+    }  # fmt: skip
+    # PUBLISH_ADDRESS falls back to every address only in a fleet, where the gateway must reach it.
+    assert fallbacks.pop("PUBLISH_ADDRESS") == "0.0.0.0"
+    assert fallbacks == {name: settings.SETTINGS[name].default for name in fallbacks}

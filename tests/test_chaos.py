@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import select
 import signal
 import socket
@@ -21,10 +20,10 @@ import ssl
 import subprocess
 import threading
 import time
-from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import harness
 import openai
 import pytest
 from harness import CUDA_BUILD_TIMEOUT, deployed, readable_by_containers
@@ -103,35 +102,27 @@ def stack(built, models_on_a_small_disk, tmp_path_factory):
 def write_figures() -> None:
     if not FIGURES:
         return
-    docker = subprocess.run(
-        ["docker", "info", "--format", "{{.ServerVersion}} live-restore={{.LiveRestoreEnabled}}"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    machine = f"{os.cpu_count()} CPUs, {platform.machine()}, Docker {docker}"
-    when = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    results = PROJECT_ROOT / "docs" / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "chaos.json").write_text(
-        json.dumps({"when": when, "machine": machine, "scenarios": FIGURES}, indent=2) + "\n"
-    )
-    rows = []
-    for f in FIGURES:
-        recovery = "-" if f["recovery_s"] is None else f"{f['recovery_s']} s"
-        rows.append(
-            f"| {f['scenario']} | {f['requests']} | {f['failures']} | {recovery} | "
-            f"{f['data_lost']} |"
-        )
-    (PROJECT_ROOT / "docs" / "chaos.md").write_text(
-        "# Chaos and load: figures\n\n"
+    rows = [
+        {
+            "scenario": f["scenario"],
+            "requests": f["requests"],
+            "failures": f["failures"],
+            "recovery": "-" if f["recovery_s"] is None else f"{f['recovery_s']} s",
+            "data lost": f["data_lost"],
+        }
+        for f in FIGURES
+    ]
+    harness.write_figures(
+        "chaos",
+        "Chaos and load: figures",
         "Written by `tests/test_chaos.py` (part of `make test`) on the CPU stack with the tiny\n"
         "synthetic model, traffic through the gateway (HAProxy, TLS, API key). Recovery is the\n"
         "time from the fault (for dockerd: from the first failed request) to the first successful\n"
         "chat completion through the gateway, with no operator action. What each scenario does\n"
-        "and what it holds the stack to is in the test.\n\n"
-        f"Run: {when}, {machine}.\n\n"
-        "| scenario | requests | failures | recovery | data lost |\n"
-        "|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+        "and what it holds the stack to is in the test.",
+        ["scenario", "requests", "failures", "recovery", "data lost"],
+        rows,
+        FIGURES,
     )
 
 

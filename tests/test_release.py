@@ -61,17 +61,23 @@ def tags(built, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def standin_tags(built, tmp_path_factory):
-    """Releases whose server is the stand-in: `right` answers the gate, `wrong` does not."""
+    """Releases whose server is the stand-in: `right` answers the gate, `wrong` does not; `slow`
+    answers as `right` does and reports a tenth of its decode rate in its timings."""
     client = docker.from_env()
     made = {}
-    for mode in ("right", "wrong"):
-        context = tmp_path_factory.mktemp(mode)
+    for name, mode, rate in (
+        ("right", "right", 200),
+        ("wrong", "wrong", 200),
+        ("slow", "right", 20),
+    ):
+        context = tmp_path_factory.mktemp(name)
         shutil.copy(Path(__file__).with_name("standin_server.py"), context)
-        made[mode] = release_whose_server_is(
+        made[name] = release_whose_server_is(
             built,
-            f"test-standin-{mode}",
+            f"test-standin-{name}",
             context,
             "COPY standin_server.py /opt/standin_server.py\n"
+            f"ENV STANDIN_DECODE_PER_SECOND={rate}\n"
             f'ENTRYPOINT ["python3", "/opt/standin_server.py", "{mode}"]\n',
         )
     yield made
@@ -376,5 +382,40 @@ def test_quality_gate_keeps_gibberish_and_wrong_answers_from_staying_live(
             assert serving(stack) == "standin-right"
         statuses = [(r["tag"], r["status"]) for r in release.read_history(proj)]
         assert (tags["v1"], "failed") in statuses and (standin_tags["wrong"], "failed") in statuses
+    finally:
+        stack.down()
+
+
+def test_decode_gate_keeps_a_slower_release_from_staying_live(standin_tags, tiny_model, tmp_path):
+    """DECODE_GATE: after the smoke test a short benchmark measures the new release's decode rate
+    from the server's own timings; under the set share of the rate recorded for the release it
+    replaces, the deploy fails and rolls back. Stand-in servers report the rates (200 and 20
+    tokens/s): the gate's arithmetic and the rollback are what this shows, not a real engine's
+    speed (`make bench` on the GPU box measures that)."""
+    right, slow = standin_tags["right"], standin_tags["slow"]
+    stack = configure(tmp_path / "stack", tiny_model, "tr-decode-gate", DECODE_GATE="80")
+    proj = release.Project(stack.workdir / ".env", stack.workdir)
+    try:
+        release.deploy(proj, right, wait_timeout=WAIT)
+        assert release.recorded_rate(release.read_history(proj), right) == 200.0
+        with pytest.raises(release.ReleaseError) as failed:
+            release.deploy(proj, slow, wait_timeout=WAIT)
+        message = str(failed.value)
+        assert f"decodes 20.0 tokens/s, under 80% of the 200.0 recorded for {right}" in message
+        assert f"rolled back: {right} is live" in message
+        assert proj.env()["IMAGE_TAG"] == right and chat_ok(stack)
+        failed_record = release.read_history(proj)[-2]
+        assert (failed_record["tag"], failed_record["status"]) == (slow, "failed")
+        assert failed_record["smoke"] == "pass" and failed_record["decode_tokens_per_s"] == 20.0
+
+        # The operator's call: a lower gate lets the same release go live, its rate recorded.
+        port = stack.env["PUBLISH_PORT"]
+        configure(stack.workdir, tiny_model, stack.name, DECODE_GATE="5", PUBLISH_PORT=port)
+        release.deploy(proj, slow, wait_timeout=WAIT)
+        history = release.read_history(proj)
+        assert release.current_live(history) == slow
+        table = release.format_history(history, release.running(proj.env()))
+        live_row = next(line for line in table.splitlines() if line.startswith("*"))
+        assert slow in live_row and " 20.0 " in live_row
     finally:
         stack.down()

@@ -10,19 +10,15 @@ and refuse an outdated pin with a message that names the transitional package an
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import ubuntu_standin
-from harness import readable_by_containers
+from harness import ANSIBLE_DIR, VENV_BIN, ansible_env, readable_by_containers
 
-from ternary_serve.versions import PROJECT_ROOT, load_versions
+from ternary_serve.versions import load_versions
 
-ANSIBLE_DIR = PROJECT_ROOT / "ansible"
-VENV_BIN = Path(sys.executable).parent
 SCENARIO = "ubuntu-standin"
 INSTANCE = "ts-molecule-ubuntu-standin"  # ansible/molecule/ubuntu-standin/molecule.yml
 # What jammy offered before its driver packages became transitional (the pins before 580).
@@ -38,20 +34,10 @@ def standin_repo(tmp_path_factory) -> Path:
 
 
 def molecule(repo: Path, *args: str, timeout: float = 600, **extra_env: str):
-    env = {
-        **os.environ,
-        "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
-        "ANSIBLE_ROLES_PATH": str(ANSIBLE_DIR / "roles"),
-        "ANSIBLE_FORCE_COLOR": "0",
-        "NO_COLOR": "1",
-        "COLUMNS": "400",  # molecule wraps its output at the terminal width
-        "TS_UBUNTU_STANDIN_REPO": str(repo),
-        **extra_env,
-    }
     return subprocess.run(
         [str(VENV_BIN / "molecule"), *args],
         cwd=ANSIBLE_DIR,
-        env=env,
+        env=ansible_env(TS_UBUNTU_STANDIN_REPO=str(repo), **extra_env),
         capture_output=True,
         text=True,
         timeout=timeout,

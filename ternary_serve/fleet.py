@@ -1,0 +1,179 @@
+"""A fleet: serving hosts with one replica per GPU, behind one HAProxy gateway host.
+
+`ternary-serve fleet key --out DIR` generates the fleet's API key once (DIR/api-key); every
+replica serves with it (`ternary-serve config --api-key-from`).
+
+`ternary-serve fleet gateway --out DIR --replicas FILE --address ADDR --tls-file PATH
+--stats-socket PATH --api-key-file PATH [NAME=value ...]` writes, on the controller, what the
+gateway host gets (the llm_gateway role copies it there; the PATHs are where it puts them):
+  haproxy.cfg     templates/haproxy.cfg.j2 with every replica as a backend server: the frontend of
+                  a single host's gateway (TLS, limits per client, CORS, the API's paths only),
+                  least-connections balancing, active /health checks, the runtime API for draining
+                  and a Prometheus exporter
+  gateway.pem     its TLS certificate and key: TLS_CERT/TLS_KEY, or one generated once for ADDR
+  prometheus.yml  a Prometheus scrape configuration for every replica and the gateway
+FILE is JSON: [{"name": "gpu-box-1-gpu0", "address": "10.0.0.11", "port": 8080, "slots": 4}, ...]
+(the role writes it from the inventory). The settings are the stack's (`ternary-serve settings`).
+Every file is written in one rename, and only when it changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ternary_serve import config, credentials, envfile, settings
+from ternary_serve.settings import SettingError
+
+HAPROXY_CONFIG = "haproxy.cfg"
+TLS_FILE = "gateway.pem"
+PROMETHEUS_CONFIG = "prometheus.yml"
+PROMETHEUS_TEMPLATE = "prometheus.yml.j2"
+HAPROXY_USER = "haproxy"
+METRICS_PORT = 8405
+SERVER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+class FleetError(Exception):
+    """An inventory or setting the fleet's gateway cannot be rendered from; names the fix."""
+
+
+def backends(replicas: list[dict]) -> list[config.Backend]:
+    """The replicas as the gateway's servers, checked: unique names HAProxy accepts, a port, an
+    address other than IPv6 (HAProxy and Prometheus would need it bracketed)."""
+    found, seen = [], set()
+    for replica in replicas:
+        try:
+            name, address, port = replica["name"], str(replica["address"]), int(replica["port"])
+            slots = int(replica["slots"]) if replica.get("slots") else None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FleetError(
+                f"replica {replica!r}: needs name, address, port (and slots) ({exc})"
+            ) from None
+        if not SERVER_NAME.fullmatch(name) or name in seen:
+            raise FleetError(
+                f"replica name {name!r}: use letters, digits, '.', '-', '_', once each "
+                "(inventory host names)"
+            )
+        try:
+            if ipaddress.ip_address(address).version == 6:
+                raise FleetError(
+                    f"replica {name}: {address} is IPv6; set the host's ansible_host to its "
+                    "name or IPv4 address"
+                )
+        except ValueError:
+            pass  # a host name
+        if not 0 < port < 65536:
+            raise FleetError(f"replica {name}: port {port} is not a TCP port")
+        seen.add(name)
+        found.append(config.Backend(name, address, port, slots))
+    if not found:
+        raise FleetError("no replicas: the inventory's llm_servers group is empty")
+    return found
+
+
+@dataclass(frozen=True)
+class GatewayHost:
+    """The gateway host as its configuration names it: address, port, and where the llm_gateway
+    role puts the certificate, the runtime API's socket and the scrape's key file."""
+
+    address: str
+    port: int
+    tls_file: str
+    stats_socket: str
+    api_key_file: str
+
+
+def render(values: dict[str, str], servers: list[config.Backend], host: GatewayHost) -> dict:
+    """The gateway host's configuration files (not the secrets), by file name."""
+    placement = config.GatewayPlacement(
+        port=host.port,
+        run_as=HAPROXY_USER,
+        tls_file=host.tls_file,
+        stats_socket=host.stats_socket,
+        docker_dns=False,
+        metrics_bind=f"{host.address}:{METRICS_PORT}",
+    )
+    prometheus = (
+        config.templates()
+        .get_template(PROMETHEUS_TEMPLATE)
+        .render(
+            servers=servers,
+            api_key_file=host.api_key_file,
+            metrics_target=f"{host.address}:{METRICS_PORT}",
+        )
+    )
+    return {
+        HAPROXY_CONFIG: config.render_gateway(values, servers, placement),
+        PROMETHEUS_CONFIG: prometheus,
+    }
+
+
+def gateway(out: Path, replicas: list[dict], host: GatewayHost, given: dict[str, str]) -> bool:
+    """Write the gateway's files into out; True when any of them changed."""
+    try:
+        values = settings.resolve({}, given)
+    except SettingError as exc:
+        raise FleetError(str(exc)) from None
+    files = render(values, backends(replicas), host)
+    changed = False
+    for name, text in files.items():
+        changed |= envfile.write_atomic(out / name, text, 0o644)
+    try:
+        # A controller-side copy, readable by its owner only; the role sets owners on the host.
+        changed |= credentials.ensure_tls(
+            out / TLS_FILE,
+            values["TLS_CERT"],
+            values["TLS_KEY"],
+            host.address,
+            names=["localhost"],
+            group=None,
+        )
+    except credentials.CredentialError as exc:
+        raise FleetError(str(exc)) from None
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ternary-serve fleet", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="action", required=True)
+    key = sub.add_parser("key", help="the fleet's API key on the controller, generated once")
+    key.add_argument("--out", type=Path, required=True, help="directory for the key file")
+    gw = sub.add_parser("gateway", help="render the fleet gateway's files on the controller")
+    gw.add_argument("assignments", nargs="*", metavar="NAME=value", help="the stack's settings")
+    gw.add_argument("--out", type=Path, required=True, help="directory for the files")
+    gw.add_argument("--replicas", type=Path, required=True, help="JSON list of the replicas")
+    gw.add_argument("--address", required=True, help="the gateway's address (certificate, metrics)")
+    gw.add_argument("--port", type=int, default=443, help="the port clients connect to")
+    gw.add_argument("--tls-file", required=True, help="the certificate's path on the gateway")
+    gw.add_argument("--stats-socket", required=True, help="the runtime API's socket there")
+    gw.add_argument("--api-key-file", required=True, help="the scrape's key file there")
+    args = ap.parse_args(argv)
+    if args.action == "key":
+        path = args.out / credentials.API_KEY_FILE
+        try:
+            changed = credentials.ensure_api_key(path, group=None)
+        except credentials.CredentialError as exc:
+            print(f"fleet: {exc}", file=sys.stderr)
+            return 1
+        print(f"fleet: {'generated' if changed else 'unchanged'}: {path}")
+        return 0
+    try:
+        replicas = json.loads(args.replicas.read_text())
+        host = GatewayHost(
+            args.address, args.port, args.tls_file, args.stats_socket, args.api_key_file
+        )
+        changed = gateway(args.out, replicas, host, settings.parse_assignments(args.assignments))
+    except (OSError, ValueError) as exc:
+        print(f"fleet: cannot read the replicas ({exc})", file=sys.stderr)
+        return 1
+    except (FleetError, SettingError) as exc:
+        print(f"fleet: {exc}", file=sys.stderr)
+        return 1
+    print(f"fleet: {'written' if changed else 'unchanged'}: {args.out} ({len(replicas)} replicas)")
+    return 0
