@@ -33,6 +33,7 @@ HISTORY_FILE = "releases.jsonl"
 LOCK_FILE = "deploy.lock"
 KEEP_RELEASES = 5
 WAIT_TIMEOUT_S = 900
+RESTART_POLL_S = 2
 COMPOSE_PREFIX = re.compile(r"^[\w.-]+\s+\| ")
 
 
@@ -60,12 +61,16 @@ class Project:
         """Point Compose at tag: the env file is rewritten in one rename, never half-written."""
         envfile.write(self.env_file, {**self.env(), "IMAGE_TAG": tag}, config.ENV_HEADER)
 
+    def command(self, *args: str, tag: str | None = None) -> tuple[list[str], dict | None]:
+        """docker compose on this project, and its environment: tag runs it for another release,
+        .env unchanged (the shell beats .env)."""
+        env = {**os.environ, "IMAGE_TAG": tag} if tag else None
+        return ["docker", "compose", "--env-file", str(self.env_file), *args], env
+
     def compose(
         self, *args: str, timeout: float = WAIT_TIMEOUT_S + 60, tag: str | None = None
     ) -> subprocess.CompletedProcess:
-        """docker compose on this project; tag runs it for another release, .env unchanged."""
-        cmd = ["docker", "compose", "--env-file", str(self.env_file), *args]
-        env = {**os.environ, "IMAGE_TAG": tag} if tag else None  # the shell beats .env
+        cmd, env = self.command(*args, tag=tag)
         return subprocess.run(
             cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout, env=env
         )
@@ -221,27 +226,91 @@ def serving_services(env: dict[str, str]) -> list[str]:
     return ["llama-server", *(["gateway"] if client.gateway(env) else [])]
 
 
-def bring_up(project: Project, tag: str, wait_timeout: int, recreate: bool = False) -> str | None:
-    """Start tag and smoke test it. Returns None on success, else what failed (one line).
-    recreate: new containers even where nothing in their configuration changed (a new key)."""
-    project.set_tag(tag)
-    up = project.compose(
+def containers(engine: docker.DockerClient, env: dict[str, str], *services: str) -> list:
+    """This project's containers, running or not (of the given services only, if any)."""
+    found = engine.containers.list(
+        all=True,
+        filters={"label": f"com.docker.compose.project={env['COMPOSE_PROJECT_NAME']}"},
+        ignore_removed=True,  # Compose replaces containers while this looks
+    )
+    return [c for c in found if not services or c.labels["com.docker.compose.service"] in services]
+
+
+def docker_time(stamp: str) -> datetime:
+    """A Docker timestamp (RFC 3339, nanoseconds with trailing zeros trimmed, Z), in a form
+    Python 3.10's fromisoformat takes (Ubuntu 22.04's Python runs this on the hosts)."""
+    whole, _, fraction = stamp.rstrip("Z").partition(".")
+    return datetime.fromisoformat(f"{whole}.{fraction[:6]:0<6}+00:00")
+
+
+def restarted(
+    engine: docker.DockerClient, env: dict[str, str], services: list[str], before: dict[str, int]
+) -> str | None:
+    """Which of services restarted since before (restart counts by container ID), and why: its
+    exit code and the last lines its previous run wrote."""
+    for container in containers(engine, env, *services):
+        if container.attrs["RestartCount"] > before.get(container.id, 0):
+            state = container.attrs["State"]
+            # The log up to this run's start: the lines before the restart say why.
+            before_restart = docker_time(state["StartedAt"]).timestamp()
+            lines = container.logs(until=before_restart).decode(errors="replace").splitlines()
+            said = " | ".join(line.strip() for line in lines[-3:])
+            service = container.labels["com.docker.compose.service"]
+            return f"{service} restarted (exit code {state['ExitCode']}; before that: {said})"
+    return None
+
+
+def start(project: Project, services: list[str], wait_timeout: int, recreate: bool) -> str | None:
+    """`compose up --wait` on services: None once they are healthy, else why not (one line). A
+    container that restarts meanwhile ends the wait at once: a server that crashes, or that its
+    liveness check kills, comes back `starting`, and Compose would wait out the whole timeout."""
+    engine = docker.from_env()
+    env = project.env()
+    before = {c.id: c.attrs["RestartCount"] for c in containers(engine, env, *services)}
+    cmd, shell_env = project.command(
         "up",
         "-d",
         "--wait",
         "--wait-timeout",
         str(wait_timeout),
         *(["--force-recreate"] if recreate else []),
-        *serving_services(project.env()),
-        timeout=wait_timeout + 120,
+        *services,
     )
-    if up.returncode != 0:
-        detail = (up.stderr.strip().splitlines() or ["no output"])[-1]
-        logs = project.compose(
-            "logs", "--no-color", "--tail", "5", "model-init", *serving_services(project.env())
-        )
-        hint = " | ".join(line.split("|", 1)[-1].strip() for line in logs.stdout.splitlines()[-3:])
-        return f"not healthy: {detail}" + (f" (last log lines: {hint})" if hint else "")
+    deadline = time.monotonic() + wait_timeout + 120
+    with subprocess.Popen(
+        cmd,
+        cwd=PROJECT_ROOT,
+        env=shell_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as up:
+        while True:
+            try:
+                _, err = up.communicate(timeout=RESTART_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                why = restarted(engine, env, services, before)
+                if why is None and time.monotonic() < deadline:
+                    continue
+                up.terminate()
+                up.communicate()
+                return why or f"docker compose up did not return within {wait_timeout + 120} s"
+    if up.returncode == 0:
+        return None
+    detail = (err.strip().splitlines() or ["no output"])[-1]
+    logs = project.compose("logs", "--no-color", "--tail", "5", "model-init", *services)
+    hint = " | ".join(line.split("|", 1)[-1].strip() for line in logs.stdout.splitlines()[-3:])
+    return detail + (f" (last log lines: {hint})" if hint else "")
+
+
+def bring_up(project: Project, tag: str, wait_timeout: int, recreate: bool = False) -> str | None:
+    """Start tag and smoke test it. Returns None on success, else what failed (one line).
+    recreate: new containers even where nothing in their configuration changed (a new key)."""
+    project.set_tag(tag)
+    detail = start(project, serving_services(project.env()), wait_timeout, recreate)
+    if detail is not None:
+        return f"not healthy: {detail}"
     smoke = project.compose("run", "--rm", "--no-deps", "smoke", timeout=600)
     if smoke.returncode != 0:
         return f"smoke test failed: {last_line(smoke)}"
@@ -445,20 +514,12 @@ def endpoint(env: dict[str, str]) -> str:
 def running(env: dict[str, str]) -> dict | None:
     """What Docker runs as this project's llama-server: its tag, state and health (None when
     there is no container). The history says what should run; this says what does."""
-    containers = docker.from_env().containers.list(
-        all=True,
-        filters={
-            "label": [
-                f"com.docker.compose.project={env['COMPOSE_PROJECT_NAME']}",
-                "com.docker.compose.service=llama-server",
-            ]
-        },
-    )
-    if not containers:
+    server = containers(docker.from_env(), env, "llama-server")
+    if not server:
         return None
-    state = containers[0].attrs["State"]
+    state = server[0].attrs["State"]
     return {
-        "tag": containers[0].attrs["Config"]["Image"].rsplit(":", 1)[-1],
+        "tag": server[0].attrs["Config"]["Image"].rsplit(":", 1)[-1],
         "state": state["Status"],
         "health": (state.get("Health") or {}).get("Status"),
     }

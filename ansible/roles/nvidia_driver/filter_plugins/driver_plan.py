@@ -10,6 +10,13 @@ INST = re.compile(r"^Inst (\S+) (?:\[\S+\] )?\((\S+) (.*?)\)", re.MULTILINE)
 BRANCH = re.compile(r"-(\d{3})(?:-server|-open)?(?:-|$)")
 
 
+def package_regex(patterns: list[str]) -> str:
+    """apt's package-name patterns (exact names, or globs with `*`) as one Python regex for the
+    same names, with or without an architecture (`libcuda1:i386`)."""
+    names = "|".join(re.escape(pattern).replace(r"\*", ".*") for pattern in patterns)
+    return rf"^(?:{names})(?::\w+)?$"
+
+
 def driver_plan_conflicts(
     simulation: str,
     requested: list[str],
@@ -37,4 +44,7 @@ def driver_plan_conflicts(
 
 class FilterModule:
     def filters(self):
-        return {"nvidia_driver_plan_conflicts": driver_plan_conflicts}
+        return {
+            "nvidia_driver_plan_conflicts": driver_plan_conflicts,
+            "nvidia_driver_package_regex": package_regex,
+        }
