@@ -310,9 +310,10 @@ class Load:
     def report(self, what: str, **more: object) -> None:
         """Print the figures and keep them for docs/fleet.md."""
         samples = sorted(set(self.failures))[:3]
+        detail = "; ".join(f"{key}: {value}" for key, value in more.items()) or "-"
         FIGURES.append(
             {"scenario": what, "requests": len(self.outcomes), "failures": len(self.failures),
-             **more, "failure samples": samples}
+             **more, "detail": detail, "failure samples": samples}
         )  # fmt: skip
         print(f"{what}: {len(self.outcomes)} requests, {len(self.failures)} failed", more)
         for failure in samples:
@@ -353,7 +354,7 @@ def fleet(built, molecule_fixtures):
                 "fleet's key): a few clients, each one short streamed chat completion at a\n"
                 "time; a failure is anything but a 200 whose stream ends with [DONE]. What each\n"
                 "scenario does and holds the fleet to is in the test.",
-                ["scenario", "requests", "failures"],
+                ["scenario", "requests", "failures", "detail"],
                 FIGURES,
                 FIGURES,
             )
