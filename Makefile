@@ -52,7 +52,7 @@ SETTING_ARGS := $(foreach v,$(SETTING_NAMES),$(if $(filter command line,$(origin
 	$(if $(BASE_IMAGE_OVERRIDE),$(foreach role,BUILD RUNTIME SMOKE GATEWAY,'$(role)_BASE_IMAGE=$(BASE_IMAGE_OVERRIDE)'))
 
 .PHONY: help venv versions config settings plan model convert build release up deploy rollback releases images-bundle \
-	rotate-key down bench smoke logs demo test lint bootstrap constraints fleet-deploy fleet-rollback \
+	rotate-key down bench smoke logs demo test check docs-figures lint bootstrap constraints fleet-deploy fleet-rollback \
 	fleet-releases
 
 help: ## list targets
@@ -184,5 +184,11 @@ lint: venv ## ruff, yamllint, hadolint, ansible-lint (production profile), playb
 	for playbook in $(filter-out ansible/requirements.yml,$(wildcard ansible/*.yml)); do \
 		$(VENV)/bin/ansible-playbook -i ansible/inventory.example --syntax-check "$$playbook"; done
 
-test: bootstrap venv lint ## everything CI runs: lint, unit tests, the CPU stack end to end in Docker
-	$(PY) -m pytest -ra --durations=10
+test: bootstrap venv ## everything CI runs, in lanes side by side: lint, unit tests, the stacks in Docker
+	$(PY) tests/lanes.py
+
+check: venv lint ## the inner loop: lint and every test that needs no Docker (a few minutes)
+	$(PY) -m pytest -m "not docker" -q -p no:cacheprovider --durations=5
+
+docs-figures: venv ## copy the figures of the last green `make test` (test-results/docs) into docs/
+	$(PY) tests/lanes.py publish

@@ -251,13 +251,28 @@ def restarted(
     for container in containers(engine, env, *services):
         if container.attrs["RestartCount"] > before.get(container.id, 0):
             state = container.attrs["State"]
-            # The log up to this run's start: the lines before the restart say why.
-            before_restart = docker_time(state["StartedAt"]).timestamp()
-            lines = container.logs(until=before_restart).decode(errors="replace").splitlines()
-            said = " | ".join(line.strip() for line in lines[-3:])
             service = container.labels["com.docker.compose.service"]
-            return f"{service} restarted (exit code {state['ExitCode']}; before that: {said})"
+            return (
+                f"{service} restarted (exit code {state['ExitCode']}; "
+                f"before that: {last_words(container, state)})"
+            )
     return None
+
+
+def last_words(container, state: dict) -> str:
+    """The last lines the container's previous run wrote (the liveness probe writes its kill's
+    reason there too), never empty. Docker counts the restart before the new run starts: until
+    then, StartedAt is still the previous run's and the whole log is the previous run's."""
+    started = docker_time(state["StartedAt"])
+    new_run = state["Running"] and started >= docker_time(state["FinishedAt"])
+    logs = container.logs(until=started.timestamp()) if new_run else container.logs()
+    lines = [line.strip() for line in logs.decode(errors="replace").splitlines() if line.strip()]
+    if lines:
+        return " | ".join(lines[-3:])
+    health = (state.get("Health") or {}).get("Log") or []
+    if health and health[-1].get("Output", "").strip():
+        return f"its last health check said: {health[-1]['Output'].strip().splitlines()[-1]}"
+    return "it wrote nothing"
 
 
 def start(project: Project, services: list[str], wait_timeout: int, recreate: bool) -> str | None:

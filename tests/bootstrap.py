@@ -20,6 +20,8 @@ Usage: python3 tests/bootstrap.py
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -117,6 +119,16 @@ def ensure_compose_and_buildx() -> None:
         sh("dpkg", "-i", *map(str, Path(tmp).glob("*.deb")))
 
 
+# The label a stand-in base carries: the key of the inputs it was made from.
+KEY_LABEL = "io.ternary-serve.standin-key"
+
+
+def input_key(*inputs: object) -> str:
+    """A short content key over inputs (their JSON): equal inputs, equal key."""
+    text = json.dumps(inputs, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def debootstrap_image(
     image: str,
     suite: str,
@@ -126,9 +138,20 @@ def debootstrap_image(
     extra_files: dict[str, str] | None = None,
 ) -> None:
     """A minbase rootfs of `suite` with `packages`, plus `extra_files` (path in the rootfs:
-    content), imported as `image`; nothing to do when the image exists."""
-    if ok("docker", "image", "inspect", image):
+    content), imported as `image` and labelled with the key of those inputs: kept while the key
+    matches (a rebuild gives a new image ID, and every image built on it starts cold), rebuilt
+    when an input changed."""
+    key = input_key(DEBIAN_MIRROR, suite, packages, components, import_changes, extra_files or {})
+    found = subprocess.run(
+        ["docker", "image", "inspect", "--format", f'{{{{index .Config.Labels "{KEY_LABEL}"}}}}',
+         image],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if found.returncode == 0 and found.stdout.strip() == key:
+        say(f"{image}: kept (key {key})")
         return
+    if found.returncode == 0:
+        say(f"{image}: its inputs changed (key {found.stdout.strip() or 'none'} -> {key})")
     if not shutil.which("debootstrap"):
         apt_install("debootstrap")
     say(f"debootstrapping {image} (about a minute)")
@@ -149,7 +172,11 @@ def debootstrap_image(
         for deb in Path(rootfs, "var/cache/apt/archives").glob("*.deb"):
             deb.unlink()
         tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
-        changes = [arg for change in import_changes for arg in ("--change", change)]
+        changes = [
+            arg
+            for change in (*import_changes, f"LABEL {KEY_LABEL}={key}")
+            for arg in ("--change", change)
+        ]
         sh("docker", "import", *changes, "-", image, stdin=tar.stdout)
         if tar.wait() != 0:
             sys.exit("error: packing the debootstrapped rootfs failed")

@@ -11,9 +11,14 @@ import pytest
 from bootstrap import CUDA_DEVEL_IMAGE, CUDA_RUNTIME_IMAGE
 from harness import (
     BUILD_TIMEOUT,
+    CUDA_KEPT_REPO,
+    RUN_DIR,
     BackgroundBuild,
+    KeptBuild,
     Stack,
     configure,
+    cuda_image_key,
+    exclusive,
     readable_by_containers,
     remove_earlier_sessions_images,
     remove_replaced_images,
@@ -27,10 +32,18 @@ CUDA_IMAGE_TESTS = "test_cuda_image.py"
 CHAOS_TESTS = "test_chaos.py"
 
 
+# A test that uses one of these needs dockerd: marked `docker` whether or not its module says so,
+# so that `make check` (-m "not docker") never starts one.
+DOCKER_FIXTURES = {"docker_required", "built", "stack_for", "molecule_fixtures"}
+
+
 def pytest_collection_modifyitems(items):
     """The chaos suite and then the CUDA image's tests run last (see cuda_build)."""
     last = {CHAOS_TESTS: 1, CUDA_IMAGE_TESTS: 2}
     items.sort(key=lambda item: last.get(item.path.name, 0))
+    for item in items:
+        if DOCKER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.docker)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -54,7 +67,15 @@ def cuda_build(request, tmp_path_factory):
         BUILD_BASE_IMAGE=CUDA_DEVEL_IMAGE,
         RUNTIME_BASE_IMAGE=CUDA_RUNTIME_IMAGE,
     )
-    build = BackgroundBuild(stack, ["llama-server"], marker=b"--backend\x00cuda\x00")
+    key = cuda_image_key(stack.env)
+    kept = f"{CUDA_KEPT_REPO}:{key}"
+    if subprocess.run(["docker", "image", "inspect", kept], capture_output=True).returncode == 0:
+        print(f"\nCUDA server image: inputs unchanged (key {key}), the tested build {kept}")
+        build = KeptBuild(stack, kept)
+    else:
+        print(f"\nCUDA server image: building for key {key}, beside the suite")
+        build = BackgroundBuild(stack, ["llama-server"], marker=b"--backend\x00cuda\x00")
+    build.key = key
     yield build
     build.stop()
 
@@ -85,10 +106,16 @@ def built(docker_required, tmp_path_factory, tiny_model) -> Stack:
     """Build the release's images once, as `make build` does (BuildKit and ccache make rebuilds
     cheap)."""
     stack = configure(tmp_path_factory.mktemp("build"), tiny_model, "ts-build")
-    result = stack.compose("--profile", "gateway", "build", timeout=BUILD_TIMEOUT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    remove_replaced_images(stack.name)
-    remove_earlier_sessions_images(stack.name, stack.env["IMAGE_TAG"])
+    # Lanes share these images: the first lane of the run builds them; the others use them as they
+    # are (a second clean-up would remove the tags the first lane's tests have added since).
+    done = RUN_DIR / f"built-{stack.env['IMAGE_TAG']}"
+    with exclusive("build"):
+        if not done.exists():
+            result = stack.compose("--profile", "gateway", "build", timeout=BUILD_TIMEOUT)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            remove_replaced_images(stack.name)
+            remove_earlier_sessions_images(stack.name, stack.env["IMAGE_TAG"])
+            done.touch()
     return stack
 
 
@@ -110,12 +137,17 @@ def stack_for(built, tmp_path, request):
 
 
 @pytest.fixture(scope="session")
-def molecule_fixtures(built, tiny_model, tmp_path_factory) -> Path:
+def molecule_fixtures(built, tiny_model) -> Path:
     """What the Molecule hosts get instead of a registry: the release's images bundle (what `make
-    images-bundle` writes; the llm_stack role copies and loads it) and the tiny model."""
-    fixtures = tmp_path_factory.mktemp("molecule-fixtures")
-    shutil.copy(tiny_model, fixtures / "tiny-ternary.gguf")
+    images-bundle` writes; the llm_stack role copies and loads it) and the tiny model. Written once
+    per run into the run's directory, for every lane that converges hosts; tests/lanes.py removes
+    it with the run (gigabytes)."""
+    fixtures = RUN_DIR / "molecule-fixtures"
+    with exclusive("molecule-fixtures"):
+        if not (fixtures / "release-images.tar").is_file():
+            fixtures.mkdir(parents=True, exist_ok=True)
+            shutil.copy(tiny_model, fixtures / "tiny-ternary.gguf")
+            readable_by_containers(fixtures / "tiny-ternary.gguf")
+            release.bundle(built.env, built.env["IMAGE_TAG"], fixtures / "release-images.tar")
     readable_by_containers(fixtures / "tiny-ternary.gguf")
-    release.bundle(built.env, built.env["IMAGE_TAG"], fixtures / "release-images.tar")
-    yield fixtures
-    (fixtures / "release-images.tar").unlink()  # gigabytes: not left in pytest's kept temp dirs
+    return fixtures

@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import platform
+import random
+import re
 import socket
 import ssl
 import subprocess
@@ -28,15 +32,45 @@ STAND_IN_IMAGE = "local/debian:bookworm-test"
 ANSIBLE_DIR = PROJECT_ROOT / "ansible"
 VENV_BIN = Path(sys.executable).parent
 BUILD_TIMEOUT = 3600
-# The checkout's commit as the session starts: every stack of the session runs the images built for
-# it, though the suite itself writes files into the checkout (docs/chaos.md).
-SESSION_REVISION = config.project_revision()
+# The checkout's commit as the session starts, marked as the tests': every stack of the session runs
+# the images built for it, under a tag of their own, so that the suite never rebuilds, re-tags or
+# removes the images of an operator's release of the same commit (`make demo`, `make up`).
+SESSION_REVISION = f"{config.project_revision()}-tests"
+# Set by tests/lanes.py for each lane it runs (plain pytest runs as lane 0, alone): the lane's
+# number picks its block of host ports; the run's directory holds what lanes share (locks, the
+# Molecule fixtures) and its results folder the figures.
+LANE_INDEX = int(os.environ.get("TS_TEST_LANE_INDEX", "0"))
+RUN_DIR = Path(os.environ.get("TS_TEST_RUN_DIR", f"/tmp/ternary-serve-tests-{os.getpid()}"))
+RESULTS_DIR = Path(os.environ.get("TS_TEST_RESULTS_DIR", PROJECT_ROOT / "test-results"))
+PORTS_PER_LANE = 1000
+FIRST_PORT = 20000
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free loopback port from this lane's block: lanes never hand out each other's ports (the
+    kernel's port 0 can give a port another lane's container is about to publish)."""
+    first = FIRST_PORT + LANE_INDEX * PORTS_PER_LANE
+    block = range(first, first + PORTS_PER_LANE)
+    for port in random.sample(block, len(block)):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {block.start}-{block.stop - 1}")
+
+
+@contextlib.contextmanager
+def exclusive(name: str):
+    """One lane at a time past this point, across the run's lanes (a file lock in RUN_DIR)."""
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    with (RUN_DIR / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @dataclass
@@ -200,8 +234,10 @@ def lower_priority(marker: bytes, cgroup: Path | None) -> None:
 
 # A cold CUDA build of the engine for one architecture: about 4,900 CPU-seconds, 41 min on 2
 # idle cores (85 min measured on 2 shared ones); with the layer cache, seconds; with only ccache
-# warm, under a minute. The limit is CI's.
-CUDA_BUILD_TIMEOUT = 5400
+# warm, under a minute. Its wall time follows what the lanes leave idle, so it is bounded by
+# progress instead: a build whose output has not grown for this long is stuck (ninja prints a line
+# per compiled file; the slowest CUDA file takes a few minutes).
+CUDA_BUILD_STALL_S = 1200
 
 
 class BackgroundBuild:
@@ -229,13 +265,21 @@ class BackgroundBuild:
             lower_priority(self.marker, self.cgroup)
             time.sleep(2)
 
-    def wait(self, timeout: float) -> tuple[int, str]:
-        """The build's exit status and the last lines of its output (self.seconds: how long)."""
-        try:
-            code = self.proc.wait(timeout=max(1.0, timeout - (time.monotonic() - self.started)))
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
+    def wait(self, stall_s: float = CUDA_BUILD_STALL_S) -> tuple[int, str]:
+        """The build's exit status and the last lines of its output (self.seconds: how long);
+        killed once its output has not grown for stall_s."""
+        size, grew = -1, time.monotonic()
+        while self.proc.poll() is None:
+            now_size = self.log.stat().st_size
+            if now_size != size:
+                size, grew = now_size, time.monotonic()
+            elif time.monotonic() - grew > stall_s:
+                self.proc.kill()
+                with self.log.open("a") as log:
+                    log.write(f"\n[tests] killed: no build output for {stall_s:.0f} s\n")
+                break
+            time.sleep(5)
+        code = self.proc.wait()
         if self.seconds is None:
             self.seconds = time.monotonic() - self.started
         return code, self.log.read_text()[-6000:]
@@ -247,6 +291,33 @@ class BackgroundBuild:
         if self.cgroup:
             with contextlib.suppress(OSError):  # still busy: a build step not yet torn down
                 self.cgroup.rmdir()
+
+
+class KeptBuild:
+    """The tested CUDA image kept under the key of unchanged inputs, in place of a build: tagged
+    as the image the build would have made (BackgroundBuild's interface)."""
+
+    def __init__(self, stack: Stack, kept: str):
+        self.stack, self.kept, self.seconds = stack, kept, 0.0
+
+    def wait(self, stall_s: float = CUDA_BUILD_STALL_S) -> tuple[int, str]:
+        image = f"{self.stack.env['SERVER_IMAGE']}:{self.stack.env['IMAGE_TAG']}"
+        tagged = subprocess.run(["docker", "tag", self.kept, image], capture_output=True, text=True)
+        return tagged.returncode, tagged.stderr or f"{image}: the kept {self.kept}"
+
+    def stop(self) -> None:
+        pass
+
+
+def keep_tested_cuda_image(image: str, key: str) -> None:
+    """image passed its tests: kept as the build of key, in place of any other key's."""
+    engine = docker.from_env()
+    engine.images.get(image).tag(CUDA_KEPT_REPO, key)
+    for old in engine.images.list(name=CUDA_KEPT_REPO):
+        for name in old.tags:
+            if name != f"{CUDA_KEPT_REPO}:{key}":
+                with contextlib.suppress(docker.errors.APIError):
+                    engine.images.remove(name)
 
 
 def release_whose_server_is(built: Stack, tag: str, context: Path, dockerfile: str) -> str:
@@ -312,6 +383,8 @@ def ansible_env(**extra: str) -> dict[str, str]:
         "ANSIBLE_FORCE_COLOR": "0",
         "NO_COLOR": "1",
         "COLUMNS": "400",  # molecule wraps its output at the terminal width
+        # The tests' image tag for the hosts' deploys (molecule.yml's llm_stack_settings).
+        "TS_TEST_REVISION": SESSION_REVISION,
         **extra,
     }
 
@@ -319,8 +392,11 @@ def ansible_env(**extra: str) -> dict[str, str]:
 def write_figures(
     stem: str, title: str, intro: str, columns: list[str], rows: list[dict], raw: list[dict]
 ) -> None:
-    """docs/<stem>.md (a table: one row per figure, the given columns of rows) and
-    docs/results/<stem>.json (raw), stamped with the time and the machine the suite ran on."""
+    """<results>/docs/<stem>.md (a table: one row per figure, the given columns of rows) and
+    <results>/docs/results/<stem>.json (raw), stamped with the time and the machine the suite ran
+    on. Never into the checkout: `make docs-figures` copies them into docs/ from a green run. A
+    suite split across lanes writes its part: the figures already there from this run's other part
+    are kept, each scenario (raw["scenario"]) once. Under an exclusive lock: lanes write at once."""
     docker_info = subprocess.run(
         ["docker", "info", "--format", "{{.ServerVersion}} live-restore={{.LiveRestoreEnabled}}"],
         capture_output=True,
@@ -328,14 +404,97 @@ def write_figures(
     ).stdout.strip()
     machine = f"{os.cpu_count()} CPUs, {platform.machine()}, Docker {docker_info}"
     when = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    results = PROJECT_ROOT / "docs" / "results"
+    docs = RESULTS_DIR / "docs"
+    results = docs / "results"
     results.mkdir(parents=True, exist_ok=True)
-    (results / f"{stem}.json").write_text(
-        json.dumps({"when": when, "machine": machine, "scenarios": raw}, indent=2) + "\n"
-    )
+    with exclusive(f"figures-{stem}"):
+        raw_file = results / f"{stem}.json"
+        if raw_file.exists():
+            earlier = json.loads(raw_file.read_text())
+            mine = {figure["scenario"] for figure in raw}
+            kept = [i for i, f in enumerate(earlier["scenarios"]) if f["scenario"] not in mine]
+            raw = [earlier["scenarios"][i] for i in kept] + raw
+            rows = [earlier["rows"][i] for i in kept] + rows
+        raw_file.write_text(
+            json.dumps({"when": when, "machine": machine, "scenarios": raw, "rows": rows}, indent=2)
+            + "\n"
+        )
+        write_table(docs / f"{stem}.md", title, intro, f"{when}, {machine}", columns, rows)
+
+
+def write_table(
+    path: Path, title: str, intro: str, run: str, columns: list[str], rows: list[dict]
+) -> None:
     lines = ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
-    (PROJECT_ROOT / "docs" / f"{stem}.md").write_text(
-        f"# {title}\n\n{intro}\n\nRun: {when}, {machine}.\n\n"
+    path.write_text(
+        f"# {title}\n\n{intro}\n\nRun: {run}.\n\n"
         "| " + " | ".join(columns) + " |\n"
         "|" + "---|" * len(columns) + "\n" + "\n".join(lines) + "\n"
     )
+
+
+# The last CUDA server image whose tests passed on this machine, kept under the key of its inputs:
+# a cold build is about 4,900 CPU-seconds, and a run whose inputs did not change needs none.
+CUDA_KEPT_REPO = "local/ternary-serve-cuda-tested"
+DOCKERFILE = PROJECT_ROOT / "docker" / "Dockerfile"
+ENGINE_TREE = "vendor/llama.cpp"  # stands for itself by the engine pins in the key
+
+
+def dockerfile_stages(text: str) -> tuple[str, dict[str, str]]:
+    """The Dockerfile's global part (ARGs before the first FROM) and its stages' text by name."""
+    head, *parts = re.split(r"^(?=FROM )", text, flags=re.MULTILINE)
+    stages = {}
+    for part in parts:
+        name = re.match(r"FROM \S+ AS (\S+)", part)
+        if name:
+            stages[name.group(1)] = part
+    return head, stages
+
+
+def stages_of(target: str, stages: dict[str, str], build_args: dict[str, str]) -> list[str]:
+    """target and every stage it is built from or copies from, build args substituted."""
+    wanted, todo = [], [target]
+    while todo:
+        name = todo.pop()
+        if name in wanted or name not in stages:
+            continue
+        wanted.append(name)
+        base = re.match(r"FROM (\S+)", stages[name]).group(1)
+        base = re.sub(r"\$\{(\w+)\}", lambda m: build_args.get(m.group(1), m.group(0)), base)
+        todo.append(base)
+        todo.extend(re.findall(r"--from=(\S+)", stages[name]))
+    return sorted(wanted)
+
+
+def image_key_label(image: str) -> str:
+    """What stands for a base image in a key: its stand-in key (tests/bootstrap.py labels the
+    images it makes with the key of their inputs), else its ID."""
+    found = docker.from_env().images.get(image)
+    return (found.labels or {}).get("io.ternary-serve.standin-key") or found.id
+
+
+def cuda_image_inputs(env: dict[str, str], target: str = "server") -> dict[str, str]:
+    """Everything the CUDA server image is made from, each as text or a digest: the Dockerfile's
+    stages it uses, the files they copy from the checkout, the build args they read (not the
+    revision: it only labels), and the base images' keys."""
+    head, stages = dockerfile_stages(DOCKERFILE.read_text())
+    used = stages_of(target, stages, env)
+    inputs = {"dockerfile": head + "".join(stages[name] for name in used)}
+    for name in used:
+        for line in re.findall(r"^COPY (?!--from)(.+)$", stages[name], re.MULTILINE):
+            for source in line.split()[:-1]:
+                path = PROJECT_ROOT / source
+                if source != ENGINE_TREE and path.is_file():
+                    inputs[source] = hashlib.sha256(path.read_bytes()).hexdigest()
+    stage_text = "".join(stages[name] for name in used)
+    args = set(re.findall(r"^ARG (\w+)", stage_text, re.MULTILINE)) | {"ENGINE_SOURCE"}
+    args -= {"PROJECT_REVISION"}
+    inputs.update({f"arg {arg}": env[arg] for arg in sorted(args) if arg in env})
+    for base in ("BUILD_BASE_IMAGE", "RUNTIME_BASE_IMAGE"):
+        inputs[f"base {base}"] = image_key_label(env[base])
+    return inputs
+
+
+def cuda_image_key(env: dict[str, str]) -> str:
+    text = json.dumps(cuda_image_inputs(env), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -4,7 +4,8 @@ check mode, testinfra), and early failures on broken input.
 The Molecule scenario (ansible/molecule/default) installs the real Debian packages (gcc-11, the
 550.163 driver, CUDA 12.4.131, docker.io) and deploys the real CPU stack inside the container on
 the images this test session built. What cannot run in a container or be reached from here is
-replaced by stand-ins named in molecule.yml; the README lists what is verified only on a real box.
+replaced by stand-ins named in molecule.yml; docs/testing.md lists what is verified only on a real
+box.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def test_site_yml_converges_idempotently_and_serves(molecule_fixtures):
     )
     subprocess.run(["docker", "volume", "rm", "-f", MOLECULE_DOCKER_VOLUME], capture_output=True)
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
-    # Phase timings for the README (ansible.posix.profile_roles).
+    # Phase timings for docs/testing.md (ansible.posix.profile_roles).
     print("\n".join(line for line in result.stdout.splitlines() if " ---" in line))
 
 

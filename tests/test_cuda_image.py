@@ -20,7 +20,11 @@ from pathlib import Path
 
 import pytest
 from bootstrap import CUDA_DEVEL_IMAGE, CUDA_RUNTIME_IMAGE
-from harness import CUDA_BUILD_TIMEOUT, readable_by_containers, remove_replaced_images
+from harness import (
+    keep_tested_cuda_image,
+    readable_by_containers,
+    remove_replaced_images,
+)
 
 from ternary_serve.versions import load_versions
 
@@ -57,20 +61,27 @@ def expected_sm(architectures: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def cuda_image(docker_required, cuda_build):
+def cuda_image(docker_required, cuda_build, request):
     """The server image built for CUDA by Compose, beside the rest of the suite (conftest's
-    cuda_build); removed after the module (the layer cache and the ccache mount stay, so a rerun
-    is warm)."""
+    cuda_build), or the one kept from an earlier run whose inputs were the same; kept under its
+    inputs' key when the module's tests all passed; its tag here removed after the module (the
+    layer cache and the ccache mount stay, so a rebuild is warm)."""
+    failed_before = request.session.testsfailed
     for base in (DEVEL_IMAGE, RUNTIME_IMAGE):
         if docker("image", "inspect", base).returncode != 0:
             pytest.fail(f"no {base}: run `python3 tests/bootstrap.py cuda-images`")
     stack = cuda_build.stack
     image = f"{stack.env['SERVER_IMAGE']}:{stack.env['IMAGE_TAG']}"
-    code, output = cuda_build.wait(CUDA_BUILD_TIMEOUT)
-    print(f"\nCUDA server image {image}: built in {cuda_build.seconds:.0f} s, beside the suite")
+    code, output = cuda_build.wait()
+    print(
+        f"\nCUDA server image {image} (inputs' key {cuda_build.key}): "
+        f"ready in {cuda_build.seconds:.0f} s, beside the suite"
+    )
     try:
         assert code == 0, output
         yield {"image": image, "env": stack.env, "workdir": stack.workdir.parent}
+        if request.session.testsfailed == failed_before:
+            keep_tested_cuda_image(image, cuda_build.key)
     finally:
         docker("image", "rm", image)
         remove_replaced_images(stack.name)

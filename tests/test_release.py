@@ -230,9 +230,15 @@ def test_second_deploy_is_refused_while_one_runs(project, tags):
     )
     try:
         wait_until_started(proj)
-        second = subprocess.run(
-            cli(proj, "deploy", tags["v4"]), cwd=PROJECT_ROOT, capture_output=True, text=True
-        )
+        # Held mid-deploy (lock taken, not yet done) while the second one tries: however slowly
+        # the second process starts, the first cannot have finished.
+        os.kill(first.pid, signal.SIGSTOP)
+        try:
+            second = subprocess.run(
+                cli(proj, "deploy", tags["v4"]), cwd=PROJECT_ROOT, capture_output=True, text=True
+            )
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
         assert second.returncode == 1
         assert "another deploy is running (pid" in second.stderr
         assert f"IMAGE_TAG={tags['v4']}".encode() not in proj.env_file.read_bytes()

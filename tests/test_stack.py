@@ -4,7 +4,7 @@
 Stand-ins, because this machine reaches no registry and has no GPU: the base images are a
 debootstrapped Debian (tests/bootstrap.py) instead of nvidia/cuda and python images, and the CPU
 variant (compose.cpu.yaml) replaces the GPU reservation. The CUDA build, the GPU reservation and the
-fork's PTQ1_0/PQ2_0 kernels run only on a real box (README: "Verified only on a real box").
+fork's PTQ1_0/PQ2_0 kernels run only on a real box (docs/testing.md: "Verified only on a real box").
 """
 
 from __future__ import annotations

@@ -1,0 +1,86 @@
+"""tests/lanes.py, the runner of `make test`, on lanes of throwaway test modules: a failing test in
+one lane fails the run and its output is shown in full while the other lane passes; lanes run side
+by side, each with its own number (its block of ports) and one shared run directory; a module in
+no lane stops the run before anything runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import lanes
+
+# Each side-by-side module waits for the other to have started: they pass only if the two lanes
+# really run at once (a serial runner would make the first wait out its bound and fail).
+MEETS = """
+import os, time
+from pathlib import Path
+
+def test_{me}_meets_{other}():
+    run = Path(os.environ["TS_TEST_RUN_DIR"])
+    (run / "{me}").write_text(os.environ["TS_TEST_LANE_INDEX"])
+    deadline = time.monotonic() + 60
+    while not (run / "{other}").exists():
+        assert time.monotonic() < deadline, "the other lane never started"
+        time.sleep(0.1)
+    assert (run / "{other}").read_text() != os.environ["TS_TEST_LANE_INDEX"]
+"""
+FAILS = """
+def test_the_deliberate_failure():
+    assert 6 * 7 == 41, "deliberately failing: the runner must show this line"
+"""
+
+
+def run(tmp_path, modules: dict[str, str], side_by_side, alone, capsys) -> tuple[int, str, dict]:
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    for name, text in modules.items():
+        (tests / name).write_text(text)
+    args = argparse.Namespace(lanes=None, pytest_args=[])
+    code = lanes.run(args, side_by_side, alone, tests, tmp_path / "results")
+    record_file = tmp_path / "results" / "run.json"
+    record = json.loads(record_file.read_text()) if record_file.exists() else {}
+    return code, capsys.readouterr().out, record
+
+
+def test_a_failing_test_fails_the_run_with_its_output_and_the_other_lanes_still_report(
+    tmp_path, capsys
+):
+    modules = {
+        "test_a.py": MEETS.format(me="a", other="b") + FAILS,
+        "test_b.py": MEETS.format(me="b", other="a"),
+        "test_c.py": "def test_alone():\n    pass\n",
+    }
+    code, out, record = run(
+        tmp_path, modules, {"one": ["test_a.py"], "two": ["test_b.py"]}, {"last": ["test_c.py"]},
+        capsys,
+    )  # fmt: skip
+    assert code == 1, out
+    # The failing lane's failure, in full: the assertion's message and the source line.
+    assert "deliberately failing: the runner must show this line" in out
+    assert "assert 6 * 7 == 41" in out
+    assert "FAILED in lanes one" in out
+    summaries = [line for line in out.splitlines() if line.startswith("lane ")]
+    assert any(line.startswith("lane one") and "FAILED" in line for line in summaries), out
+    assert any(line.startswith("lane two") and "passed" in line for line in summaries), out
+    assert any(line.startswith("lane last") and "passed" in line for line in summaries), out
+    assert record["passed"] is False and record["lanes"]["one"]["exit"] == 1
+    outcomes = {t["test"].rsplit("::", 1)[1]: t["outcome"] for t in record["tests"]}
+    assert outcomes == {
+        "test_a_meets_b": "passed",
+        "test_the_deliberate_failure": "failed",
+        "test_b_meets_a": "passed",
+        "test_alone": "passed",
+    }
+
+
+def test_a_module_in_no_lane_stops_the_run_before_it_starts(tmp_path, capsys):
+    modules = {"test_a.py": "def test_a():\n    pass\n", "test_forgotten.py": FAILS}
+    code, out, record = run(tmp_path, modules, {"one": ["test_a.py"]}, {}, capsys)
+    assert code == 2
+    assert "test_forgotten.py" in out
+    assert record == {} and not (tmp_path / "results" / "lanes").exists()
+
+
+def test_every_test_module_of_the_suite_is_in_one_lane():
+    assert lanes.unassigned({**lanes.LANES, **lanes.ALONE}, lanes.TESTS) == []
