@@ -236,8 +236,9 @@ def lower_priority(marker: bytes, cgroup: Path | None) -> None:
 # idle cores (85 min measured on 2 shared ones); with the layer cache, seconds; with only ccache
 # warm, under a minute. Its wall time follows what the lanes leave idle, so it is bounded by
 # progress instead: a build whose output has not grown for this long is stuck (ninja prints a line
-# per compiled file; the slowest CUDA file takes a few minutes).
-CUDA_BUILD_STALL_S = 1200
+# per compiled file; the slowest CUDA file takes a few minutes alone, many times that on the few
+# percent of the CPU that busy lanes leave it).
+CUDA_BUILD_STALL_S = 2700
 
 
 class BackgroundBuild:
