@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 from bootstrap import CUDA_DEVEL_IMAGE, CUDA_RUNTIME_IMAGE
 from harness import (
+    BUILD_PROJECT,
     BUILD_TIMEOUT,
     CUDA_KEPT_REPO,
+    CUDA_PROJECT,
+    REPORT_LINES,
     RUN_DIR,
     BackgroundBuild,
     KeptBuild,
@@ -46,6 +49,11 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.docker)
 
 
+def pytest_terminal_summary(terminalreporter):
+    for line in REPORT_LINES:
+        terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cuda_build(request, tmp_path_factory):
     """The CUDA server image's build (tests/test_cuda_image.py), started with the session when
@@ -62,7 +70,7 @@ def cuda_build(request, tmp_path_factory):
     stack = configure(
         workdir / "stack",
         workdir / "models" / "absent.gguf",
-        "ts-cuda-image",
+        CUDA_PROJECT,
         BACKEND="cuda",
         BUILD_BASE_IMAGE=CUDA_DEVEL_IMAGE,
         RUNTIME_BASE_IMAGE=CUDA_RUNTIME_IMAGE,
@@ -70,10 +78,10 @@ def cuda_build(request, tmp_path_factory):
     key = cuda_image_key(stack.env)
     kept = f"{CUDA_KEPT_REPO}:{key}"
     if subprocess.run(["docker", "image", "inspect", kept], capture_output=True).returncode == 0:
-        print(f"\nCUDA server image: inputs unchanged (key {key}), the tested build {kept}")
+        REPORT_LINES.append(f"CUDA server image: inputs unchanged (key {key}), tested {kept}")
         build = KeptBuild(stack, kept)
     else:
-        print(f"\nCUDA server image: building for key {key}, beside the suite")
+        REPORT_LINES.append(f"CUDA server image: built for key {key}, beside the suite")
         build = BackgroundBuild(stack, ["llama-server"], marker=b"--backend\x00cuda\x00")
     build.key = key
     yield build
@@ -105,7 +113,7 @@ def docker_required():
 def built(docker_required, tmp_path_factory, tiny_model) -> Stack:
     """Build the release's images once, as `make build` does (BuildKit and ccache make rebuilds
     cheap)."""
-    stack = configure(tmp_path_factory.mktemp("build"), tiny_model, "ts-build")
+    stack = configure(tmp_path_factory.mktemp("build"), tiny_model, BUILD_PROJECT)
     # Lanes share these images: the first lane of the run builds them; the others use them as they
     # are (a second clean-up would remove the tags the first lane's tests have added since).
     done = RUN_DIR / f"built-{stack.env['IMAGE_TAG']}"

@@ -39,6 +39,10 @@ SESSION_REVISION = f"{config.project_revision()}-tests"
 # Set by tests/lanes.py for each lane it runs (plain pytest runs as lane 0, alone): the lane's
 # number picks its block of host ports; the run's directory holds what lanes share (locks, the
 # Molecule fixtures) and its results folder the figures.
+# The Compose projects whose images the suite builds (the release images, the CUDA image, the
+# releases tests make FROM them): what `tests/lanes.py` removes after a run.
+BUILD_PROJECT, CUDA_PROJECT, TEST_RELEASE_PROJECT = "ts-build", "ts-cuda-image", "ts-test-release"
+IMAGE_PROJECTS = (BUILD_PROJECT, CUDA_PROJECT, TEST_RELEASE_PROJECT)
 LANE_INDEX = int(os.environ.get("TS_TEST_LANE_INDEX", "0"))
 RUN_DIR = Path(os.environ.get("TS_TEST_RUN_DIR", f"/tmp/ternary-serve-tests-{os.getpid()}"))
 RESULTS_DIR = Path(os.environ.get("TS_TEST_RESULTS_DIR", PROJECT_ROOT / "test-results"))
@@ -329,7 +333,7 @@ def release_whose_server_is(built: Stack, tag: str, context: Path, dockerfile: s
     server = built.env["SERVER_IMAGE"]
     (context / "Dockerfile").write_text(
         f"FROM {server}:{built.env['IMAGE_TAG']}\n{dockerfile}"
-        "LABEL com.docker.compose.project=ts-test-release\n"
+        f"LABEL com.docker.compose.project={TEST_RELEASE_PROJECT}\n"
     )
     engine.images.build(path=str(context), tag=f"{server}:{tag}", rm=True, forcerm=True)
     for repo in release.release_images(built.env):
@@ -434,6 +438,9 @@ def write_table(
     )
 
 
+# Lines for the end of the session's output, whatever pytest captured (conftest prints them): which
+# CUDA build a run tested.
+REPORT_LINES: list[str] = []
 # The last CUDA server image whose tests passed on this machine, kept under the key of its inputs:
 # a cold build is about 4,900 CPU-seconds, and a run whose inputs did not change needs none.
 CUDA_KEPT_REPO = "local/ternary-serve-cuda-tested"

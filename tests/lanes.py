@@ -39,6 +39,8 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 sys.path.insert(0, str(ROOT))
 
+import harness  # noqa: E402  (the tests' revision, fixed as the run starts)
+
 from ternary_serve import config  # noqa: E402
 
 RESULTS = ROOT / "test-results"
@@ -222,23 +224,28 @@ def report(lane: Lane) -> None:
 
 
 def remove_what_the_run_built() -> None:
-    """The run's images (the tests' tag, the stacks they made; the kept CUDA build stays): a
-    rerun finds the layer cache, not gigabytes of images."""
+    """The run's images: every tag under the tests' own revision and every tag of the projects the
+    suite builds under, but the kept CUDA build; their untagged layers. Nothing of an operator's.
+    A rerun finds the layer cache, not gigabytes of images."""
     import docker
     import docker.errors
 
     engine = docker.from_env()
-    marker = f"-{config.project_revision()}-tests-"
+    marker = f"-{harness.SESSION_REVISION}-"
     removed = 0
     for image in engine.images.list():
         project = (image.labels or {}).get("com.docker.compose.project", "")
         for name in image.tags:
-            if marker in name or (project.startswith("ts-") and ":" in name):
+            ours = marker in name or project in harness.IMAGE_PROJECTS
+            if ours and not name.startswith(f"{harness.CUDA_KEPT_REPO}:"):
                 with contextlib.suppress(docker.errors.APIError):
                     engine.images.remove(name)
                     removed += 1
-    with contextlib.suppress(docker.errors.APIError):
-        engine.images.prune(filters={"dangling": True})
+    for project in harness.IMAGE_PROJECTS:
+        with contextlib.suppress(docker.errors.APIError):
+            engine.images.prune(
+                filters={"dangling": True, "label": f"com.docker.compose.project={project}"}
+            )
     df = engine.df()
     images = sum(i.get("Size", 0) for i in df.get("Images", [])) / 2**30
     cache = sum(c.get("Size", 0) for c in df.get("BuildCache") or []) / 2**30
@@ -290,6 +297,10 @@ def run(
     busy, total = (now - then for now, then in zip(cpu_seconds(), cpu_before, strict=True))
     cases = [case for lane in lanes.values() for case in lane.cases()]
     failed = [lane.name for lane in lanes.values() if lane.proc.returncode != 0]
+    for lane in lanes.values():  # which CUDA build was tested (conftest's end-of-session lines)
+        for line in lane.log.read_text(errors="replace").splitlines():
+            if line.startswith("CUDA server image"):
+                say(line)
     print(f"\nslowest {SLOWEST} tests:")
     for case in sorted(cases, key=lambda c: -c["seconds"])[:SLOWEST]:
         print(f"  {minutes(case['seconds']):>7}  [{case['lane']}] {case['test']}")

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from bootstrap import CUDA_DEVEL_IMAGE, CUDA_RUNTIME_IMAGE
 from harness import (
+    REPORT_LINES,
     keep_tested_cuda_image,
     readable_by_containers,
     remove_replaced_images,
@@ -73,9 +74,9 @@ def cuda_image(docker_required, cuda_build, request):
     stack = cuda_build.stack
     image = f"{stack.env['SERVER_IMAGE']}:{stack.env['IMAGE_TAG']}"
     code, output = cuda_build.wait()
-    print(
-        f"\nCUDA server image {image} (inputs' key {cuda_build.key}): "
-        f"ready in {cuda_build.seconds:.0f} s, beside the suite"
+    REPORT_LINES.append(
+        f"CUDA server image {image} (inputs' key {cuda_build.key}): "
+        f"ready in {cuda_build.seconds:.0f} s"
     )
     try:
         assert code == 0, output

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import harness
 import lanes
 
 # Each side-by-side module waits for the other to have started: they pass only if the two lanes
@@ -84,3 +85,13 @@ def test_a_module_in_no_lane_stops_the_run_before_it_starts(tmp_path, capsys):
 
 def test_every_test_module_of_the_suite_is_in_one_lane():
     assert lanes.unassigned({**lanes.LANES, **lanes.ALONE}, lanes.TESTS) == []
+
+
+def test_the_cuda_images_key_covers_the_stages_it_is_built_from_and_no_other():
+    """The kept CUDA build is reused only while its key holds: the key must take in every stage
+    the server image is built from or copies from (a change there rebuilds it), and no stage it
+    does not use (a change to the smoke image must not cost a cold CUDA build)."""
+    _, stages = harness.dockerfile_stages(harness.DOCKERFILE.read_text())
+    used = set(harness.stages_of("server", stages, {"ENGINE_SOURCE": "local"}))
+    assert {"engine-build", "engine-src-local", "toolchain", "server"} <= used
+    assert not used & {"smoke", "convert", "gateway", "engine-src-git"}
