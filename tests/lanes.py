@@ -142,6 +142,9 @@ class Lane:
         }
         self.proc: subprocess.Popen | None = None
         self.started = self.seconds = 0.0
+        # CPU of the lane's processes and everything they waited for (pytest, ansible, compose,
+        # the docker CLI); not its containers', which run under dockerd.
+        self.cpu_s = 0.0
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -153,10 +156,13 @@ class Lane:
             )  # fmt: skip
 
     def poll(self) -> int | None:
-        code = self.proc.poll()
-        if code is not None and not self.seconds:
-            self.seconds = time.monotonic() - self.started
-        return code
+        if self.proc.returncode is None:
+            pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+            if pid:
+                self.proc.returncode = os.waitstatus_to_exitcode(status)
+                self.seconds = time.monotonic() - self.started
+                self.cpu_s = usage.ru_utime + usage.ru_stime
+        return self.proc.returncode
 
     def cases(self) -> list[dict]:
         """Every test the lane ran, from its JUnit file: name, seconds, outcome."""
@@ -187,7 +193,8 @@ class Lane:
         tally = ", ".join(f"{n} {what}" for what, n in sorted(counts.items())) or "no tests"
         if not self.is_pytest:
             tally = " ".join(self.cmd)
-        return f"lane {self.name:<9} {state:<16} {minutes(self.seconds):>7}  {tally}"
+        cpu = f"cpu {minutes(self.cpu_s)}"
+        return f"lane {self.name:<9} {state:<16} {minutes(self.seconds):>7} {cpu:>11}  {tally}"
 
     def failures(self) -> str:
         """The failing part of the lane's output, in full (pytest's FAILURES and ERRORS sections
@@ -289,6 +296,7 @@ def run(
         for lane in lanes.values():
             if lane.proc and lane.proc.poll() is None:
                 lane.proc.kill()
+                lane.proc.wait()
         if tests == TESTS:
             with contextlib.suppress(Exception):  # Docker down is the lanes' failure, told there
                 remove_what_the_run_built()
@@ -320,7 +328,11 @@ def run(
         "cpu_total_s": round(total),
         "machine": f"{os.cpu_count()} CPUs",
         "lanes": {
-            lane.name: {"exit": lane.proc.returncode, "seconds": round(lane.seconds)}
+            lane.name: {
+                "exit": lane.proc.returncode,
+                "seconds": round(lane.seconds),
+                "host_cpu_s": round(lane.cpu_s, 1),
+            }
             for lane in lanes.values()
         },
         "tests": cases,

@@ -10,6 +10,7 @@ box.
 
 from __future__ import annotations
 
+import configparser
 import json
 import re
 import subprocess
@@ -296,3 +297,15 @@ def test_the_roles_setting_defaults_are_the_settings_modules():
     # PUBLISH_ADDRESS falls back to every address only in a fleet, where the gateway must reach it.
     assert fallbacks.pop("PUBLISH_ADDRESS") == "0.0.0.0"
     assert fallbacks == {name: settings.SETTINGS[name].default for name in fallbacks}
+
+
+def test_the_molecule_scenarios_connect_as_ansible_cfg_does():
+    """Molecule writes an ansible.cfg of its own: each scenario repeats the connection settings of
+    the operator's (pipelining), so the converges run the way a real deploy does."""
+    parser = configparser.ConfigParser()
+    parser.read(ANSIBLE_DIR / "ansible.cfg")
+    operators = {key: parser.getboolean("connection", key) for key in parser["connection"]}
+    assert operators == {"pipelining": True}
+    for scenario in sorted((ANSIBLE_DIR / "molecule").glob("*/molecule.yml")):
+        options = yaml.safe_load(scenario.read_text())["provisioner"].get("config_options", {})
+        assert options.get("connection") == operators, scenario.parent.name

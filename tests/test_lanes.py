@@ -75,6 +75,22 @@ def test_a_failing_test_fails_the_run_with_its_output_and_the_other_lanes_still_
     }
 
 
+def test_each_lane_reports_the_cpu_of_its_own_processes(tmp_path, capsys):
+    """A lane whose test spins for two seconds of CPU, beside one whose test sleeps as long: only
+    the first is charged for it, in its line and in run.json."""
+    spins = "import time\n\ndef test_spins():\n    end = time.process_time() + 2.0\n"
+    spins += "    while time.process_time() < end:\n        pass\n"
+    sleeps = "import time\n\ndef test_sleeps():\n    time.sleep(2.0)\n"
+    modules = {"test_spins.py": spins, "test_sleeps.py": sleeps}
+    lanes_of = {"busy": ["test_spins.py"], "idle": ["test_sleeps.py"]}
+    code, out, record = run(tmp_path, modules, lanes_of, {}, capsys)
+    assert code == 0, out
+    busy, idle = (record["lanes"][name]["host_cpu_s"] for name in ("busy", "idle"))
+    # pytest's own start-up is charged to both; the spin only to its lane.
+    assert busy >= idle + 1.5, record["lanes"]
+    assert any(line.startswith("lane busy") and " cpu " in line for line in out.splitlines()), out
+
+
 def test_a_module_in_no_lane_stops_the_run_before_it_starts(tmp_path, capsys):
     modules = {"test_a.py": "def test_a():\n    pass\n", "test_forgotten.py": FAILS}
     code, out, record = run(tmp_path, modules, {"one": ["test_a.py"]}, {}, capsys)
