@@ -188,6 +188,7 @@ test: bootstrap venv ## everything CI runs, in lanes side by side: lint, unit te
 	$(PY) tests/lanes.py
 
 check: venv lint ## the inner loop: lint and every test that needs no Docker (a few minutes)
+	python3 tests/bootstrap.py compose
 	$(PY) -m pytest -m "not docker" -q -p no:cacheprovider --durations=5
 
 docs-figures: venv ## copy the figures of the last green `make test` (test-results/docs) into docs/

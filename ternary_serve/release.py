@@ -35,6 +35,7 @@ KEEP_RELEASES = 5
 WAIT_TIMEOUT_S = 900
 RESTART_POLL_S = 2
 COMPOSE_PREFIX = re.compile(r"^[\w.-]+\s+\| ")
+HALF_RECREATED = re.compile(r"^[0-9a-f]{12}_")
 
 
 class ReleaseError(Exception):
@@ -236,6 +237,16 @@ def containers(engine: docker.DockerClient, env: dict[str, str], *services: str)
     return [c for c in found if not services or c.labels["com.docker.compose.service"] in services]
 
 
+def remove_half_recreated(engine: docker.DockerClient, env: dict[str, str]) -> None:
+    """Compose recreates a container by creating its successor as `<old ID's first 12>_<name>`,
+    then removing the old one and renaming the successor: a deploy killed before the old one is
+    gone leaves the successor created and never started, and the next `up`, recreating the old
+    one again under the same name, fails on "name already in use"."""
+    for container in containers(engine, env):
+        if container.status != "running" and HALF_RECREATED.match(container.name):
+            container.remove(force=True)
+
+
 def docker_time(stamp: str) -> datetime:
     """A Docker timestamp (RFC 3339, nanoseconds with trailing zeros trimmed, Z), in a form
     Python 3.10's fromisoformat takes (Ubuntu 22.04's Python runs this on the hosts)."""
@@ -281,6 +292,7 @@ def start(project: Project, services: list[str], wait_timeout: int, recreate: bo
     liveness check kills, comes back `starting`, and Compose would wait out the whole timeout."""
     engine = docker.from_env()
     env = project.env()
+    remove_half_recreated(engine, env)
     before = {c.id: c.attrs["RestartCount"] for c in containers(engine, env, *services)}
     cmd, shell_env = project.command(
         "up",

@@ -4,6 +4,7 @@
 Each step checks first and does nothing when its result is already there, so reruns are cheap:
   docker        Debian's docker.io engine (dockerd started here if it is not running), Compose v2
                 and buildx from trixie's docker-compose and docker-buildx packages
+  compose       Compose v2 and buildx only, no dockerd: `make check` renders compose.yaml
   base-images   the stand-in for the registry base images: a debootstrapped Debian rootfs
                 imported as local/debian:bookworm-test (the real builds use the nvidia/cuda images)
   molecule-image  a Debian 13 image that boots systemd, local/debian:trixie-systemd, for Molecule
@@ -15,7 +16,7 @@ Each step checks first and does nothing when its result is already there, so rer
                 docker/wheels/ for the convert image (PyTorch's own index is unreachable here)
 
 Usage: python3 tests/bootstrap.py
-         [docker|base-images|molecule-image|cuda-images|engine-source|wheels|all]
+         [docker|compose|base-images|molecule-image|cuda-images|engine-source|wheels|all]
 """
 
 from __future__ import annotations
@@ -286,6 +287,7 @@ def ensure_wheels() -> None:
 
 STEPS = {
     "docker": (ensure_dockerd, ensure_compose_and_buildx),
+    "compose": (ensure_compose_and_buildx,),
     "base-images": (ensure_dockerd, ensure_base_images),
     "molecule-image": (ensure_dockerd, ensure_molecule_image),
     "cuda-images": (ensure_dockerd, ensure_cuda_images),

@@ -107,8 +107,12 @@ def is_pytest(lane: list[str]) -> bool:
 
 
 def pytest_arg(entry: str, tests: Path) -> str:
-    deselect = entry.startswith("--deselect=")
-    return ("--deselect=" if deselect else "") + str(tests / entry.removeprefix("--deselect="))
+    """A module or node id as a path; a --deselect as a node id relative to the rootdir (the lane
+    sets it to the tests' parent), which is all pytest matches it against: an absolute path
+    deselects nothing."""
+    if entry.startswith("--deselect="):
+        return f"--deselect={tests.name}/{entry.removeprefix('--deselect=')}"
+    return str(tests / entry)
 
 
 @dataclass
@@ -128,8 +132,8 @@ class Lane:
         if self.is_pytest:
             self.cmd = [
                 sys.executable, "-m", "pytest", *(pytest_arg(s, dirs.tests) for s in suites), "-ra",
-                "-p", "no:cacheprovider", f"--junitxml={self.junit}",
-                f"--basetemp={run_dir / name}", *extra,
+                f"--rootdir={dirs.tests.parent}", "-p", "no:cacheprovider",
+                f"--junitxml={self.junit}", f"--basetemp={run_dir / name}", *extra,
             ]  # fmt: skip
         else:
             self.cmd = suites

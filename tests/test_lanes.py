@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+from collections import Counter
 
 import harness
 import lanes
@@ -97,6 +100,42 @@ def test_a_module_in_no_lane_stops_the_run_before_it_starts(tmp_path, capsys):
     assert code == 2
     assert "test_forgotten.py" in out
     assert record == {} and not (tmp_path / "results" / "lanes").exists()
+
+
+def test_a_deselected_test_of_a_lane_does_not_run(tmp_path, capsys):
+    modules = {"test_a.py": "def test_kept():\n    pass\n\n" + FAILS}
+    lanes_of = {"one": ["test_a.py", "--deselect=test_a.py::test_the_deliberate_failure"]}
+    code, out, record = run(tmp_path, modules, lanes_of, {}, capsys)
+    assert code == 0, out
+    assert [t["test"].rsplit("::", 1)[1] for t in record["tests"]] == ["test_kept"]
+
+
+def collected(cmd: list[str], env: dict | None = None) -> list[str]:
+    done = subprocess.run(
+        [*cmd, "--collect-only", "-q"], cwd=lanes.ROOT, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return [line for line in done.stdout.splitlines() if "::" in line]
+
+
+def test_the_lanes_collect_every_test_of_the_suite_once_and_the_dockerd_restart_only_alone(
+    tmp_path,
+):
+    """What each lane's own pytest command collects, against the whole suite's: a test in two
+    lanes would run twice (the dockerd restart beside the other lanes cuts them all)."""
+    suite = collected([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(lanes.TESTS)])
+    dirs = lanes.Dirs(tests=lanes.TESTS, results=tmp_path, run=tmp_path)
+    of_lane = {
+        name: collected(lane.cmd, lane.env)
+        for index, (name, suites) in enumerate({**lanes.LANES, **lanes.ALONE}.items())
+        if (lane := lanes.Lane(name, suites, index, dirs, [])).is_pytest
+    }
+    everywhere = Counter(test for tests in of_lane.values() for test in tests)
+    assert {t: n for t, n in everywhere.items() if n > 1} == {}
+    assert set(everywhere) == set(suite)
+    restart = f"{lanes.TESTS.name}/{lanes.DOCKERD_RESTART}"
+    assert of_lane["dockerd-restart"] == [restart]
 
 
 def test_every_test_module_of_the_suite_is_in_one_lane():

@@ -277,6 +277,22 @@ def test_killed_deploy_leaves_a_consistent_state_and_the_next_deploy_succeeds(pr
     assert "interrupted" in statuses and statuses[-1] == "live"
 
 
+def test_a_deploy_killed_mid_recreate_does_not_block_the_next_one(project, tags):
+    """What a deploy killed between Compose's create and remove leaves (the killed-deploy test
+    above hits it only when the kill lands there): the old server's successor, created under
+    Compose's temporary name and never started."""
+    stack, proj = project
+    release.deploy(proj, tags["v1"], wait_timeout=WAIT)
+    (live,) = release.containers(docker.from_env(), proj.env(), "llama-server")
+    leftover = docker.from_env().containers.create(
+        live.image.id, name=f"{live.id[:12]}_{live.name}", labels=live.labels
+    )
+    release.deploy(proj, tags["v2"], wait_timeout=WAIT)
+    assert serving(stack) == "release-v2" and chat_ok(stack)
+    with pytest.raises(docker.errors.NotFound):
+        leftover.reload()
+
+
 def test_retention_keeps_the_newest_and_never_the_live_or_previous(project, tags, built):
     stack, proj = project
     client = docker.from_env()
