@@ -5,7 +5,8 @@ Also Hugging Face checkpoints of the llama shapes, for the conversion path.
 Two architectures. qwen35 (profiles `tiny`, `27b`) is the one Ternary-Bonsai-2-27B has: Gated
 DeltaNet layers with a full-attention layer every fourth, every weight matrix (embeddings and
 output included) ternary Q2_0, like the real ~2 bpw file. llama (`llama-tiny`, `llama-27b`) is the
-shape the conversion path and the first GPU numbers used; its embeddings and output are F16.
+shape the conversion path and the first GPU numbers used; `llama-tiny`'s embeddings and output
+are F16, `llama-27b` has qwen35's vocabulary and ternary ones (the control for the 27B).
 
 Used by the tests (a tiny model the real llama-server loads in a second) and by the benchmarks
 (27B shapes with the memory traffic of the real thing). Weights are random ternary values {-s, 0,
@@ -49,8 +50,12 @@ class LlamaShape:
     n_head: int
     n_head_kv: int
     context_length: int
+    # None: the base vocabulary(), unpadded, embeddings and output F16. A real vocabulary's size
+    # (the 27B control) pads it, and those two matrices are ternary Q2_0 like qwen35's: the
+    # control then differs from Bonsai 2's shape in its architecture only, not in what sampling
+    # and the output matrix cost per token.
+    n_vocab: int | None = None
     architecture = "llama"
-    n_vocab = None  # the base vocabulary(), unpadded
 
     @property
     def head_dim(self) -> int:
@@ -140,7 +145,13 @@ PROFILES: dict[str, LlamaShape | Qwen35Shape] = {
     ),
     # 26.9B ternary linear weights (7.06 GiB as Q2_0): the memory traffic of a 27B model per token.
     "llama-27b": LlamaShape(
-        n_layer=64, n_embd=5120, n_ff=23296, n_head=40, n_head_kv=8, context_length=32768
+        n_layer=64,
+        n_embd=5120,
+        n_ff=23296,
+        n_head=40,
+        n_head_kv=8,
+        context_length=32768,
+        n_vocab=BONSAI_2_27B.n_vocab,
     ),
 }
 LLAMA_PROFILES = sorted(name for name, shape in PROFILES.items() if isinstance(shape, LlamaShape))
@@ -171,7 +182,8 @@ def tensor_plan(shape: LlamaShape | Qwen35Shape, n_vocab: int) -> list[Planned]:
 
 def llama_plan(shape: LlamaShape, n_vocab: int) -> list[Planned]:
     e, kv = shape.n_embd, shape.n_head_kv * shape.head_dim
-    plan = [Planned("token_embd.weight", (n_vocab, e), "embedding")]
+    vocab_fill = "ternary" if shape.n_vocab else "embedding"
+    plan = [Planned("token_embd.weight", (n_vocab, e), vocab_fill)]
     linear = {
         "attn_q": (e, e),
         "attn_k": (kv, e),
@@ -189,7 +201,7 @@ def llama_plan(shape: LlamaShape, n_vocab: int) -> list[Planned]:
         plan += [Planned(f"blk.{i}.{n}.weight", s, "ternary", n) for n, s in linear.items()]
     plan += [
         Planned("output_norm.weight", (e,), "ones"),
-        Planned("output.weight", (n_vocab, e), "embedding"),
+        Planned("output.weight", (n_vocab, e), vocab_fill),
     ]
     return plan
 

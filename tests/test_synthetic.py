@@ -136,6 +136,21 @@ def test_llama_27b_profile_is_27b_class():
     assert 26e9 < params < 28e9
 
 
+def test_the_llama_control_has_bonsai_2s_vocabulary_and_ternary_ends(tmp_path, header_27b):
+    """The 27B comparison's control: the same 248,320 tokens to sample and the same Q2_0 token
+    embeddings and output matrix as the qwen35 file, so that only the architecture differs."""
+    _, q27, q27_tensors, _ = header_27b
+    path = synthetic.write_model(tmp_path / "l27.gguf", "llama-27b", header_only=True)
+    kv, tensors, _ = read_header(path)
+    assert kv["llama.vocab_size"] == q27["qwen35.vocab_size"] == len(kv["tokenizer.ggml.tokens"])
+
+    def ends(records):
+        return {r["name"]: (r["type"], r["dims"]) for r in records
+                if r["name"] in ("token_embd.weight", "output.weight")}  # fmt: skip
+
+    assert ends(tensors) == ends(q27_tensors)
+
+
 # --- qwen35: Bonsai 2 27B's hyperparameters -------------------------------------------------------
 
 BONSAI_2_27B = {
