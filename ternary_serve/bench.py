@@ -1,6 +1,8 @@
-"""Benchmark serving: llama-bench, llama-batched-bench at the planned slot count, and a concurrency
+"""Benchmark serving: llama-bench, llama-batched-bench at the planned slot count, a concurrency
 sweep through the server (1, slots and 2x slots clients, streaming, with the official `openai`
-client, so it also proves the API's compatibility).
+client, so it also proves the API's compatibility), and multi-turn chats (1 and slots users, each
+turn the whole growing history: TTFT and the prompt tokens evaluated and reused per turn). The
+settings' workload profile (WORKLOAD) and the server flags are recorded with every result.
 
 Against the deployed stack (default): the server at PUBLISH_ADDRESS:PUBLISH_PORT, the engine's
 benchmarks in the release's server image. Where there is no Docker (`--bin`, the GPU machine):
@@ -256,13 +258,14 @@ def prompt_of(api: Endpoint, http: requests.Session, n_tokens: int, request: int
     return cut.json()["content"]
 
 
-def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
+def one_request(client, model: str, messages: list[dict], max_tokens: int) -> dict:
     started = time.monotonic()
     first = None
     usage = timings = None
+    text = []
     stream = client.chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": prompt}],
+        messages=messages,
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
@@ -272,8 +275,10 @@ def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
         extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}},
     )
     for chunk in stream:
-        if first is None and chunk.choices and (chunk.choices[0].delta.content or "") != "":
+        piece = (chunk.choices[0].delta.content or "") if chunk.choices else ""
+        if first is None and piece:
             first = time.monotonic()
+        text.append(piece)
         usage = chunk.usage or usage
         timings = (chunk.model_extra or {}).get("timings") or timings
     if usage is None or timings is None:
@@ -282,9 +287,17 @@ def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
         "ttft_s": (first or time.monotonic()) - started,
         "completion_tokens": usage.completion_tokens,
         "prompt_tokens": usage.prompt_tokens,
+        # Of the prompt, what the server evaluated and what it reused from the slot's state.
+        "prompt_evaluated": timings.get("prompt_n"),
+        "prompt_reused": timings.get("cache_n"),
         "decode_tokens_per_s": timings.get("predicted_per_second"),
         "seconds": time.monotonic() - started,
+        "text": "".join(text),
     }
+
+
+def user(prompt: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}]
 
 
 def decode_rate(api: Endpoint, requests_n: int = 3, max_tokens: int = 64) -> float:
@@ -298,7 +311,7 @@ def decode_rate(api: Endpoint, requests_n: int = 3, max_tokens: int = 64) -> flo
     for request in range(requests_n):
         prompt = f"Request {request}. Count upwards from one, separated by spaces:"
         try:
-            done = one_request(client, model, prompt, max_tokens)
+            done = one_request(client, model, user(prompt), max_tokens)
         except openai.OpenAIError as exc:
             raise BenchError(f"a measuring request failed: {type(exc).__name__}: {exc}") from None
         if done["decode_tokens_per_s"]:
@@ -331,7 +344,7 @@ def sweep_level(
                 try:
                     request = offset + index * rounds + r
                     text = prompt_of(api, http, prompt, request)
-                    done = one_request(client, model, text, max_tokens)
+                    done = one_request(client, model, user(text), max_tokens)
                 # Every failure of a request counts, the prompt's /tokenize calls included: a worker
                 # that died on one would silently make fewer requests than the sweep reports.
                 except (
@@ -389,6 +402,91 @@ def sweep(api: Endpoint, model: str, levels: list[int], rounds: int, prompt: int
     return rows
 
 
+def chat_level(
+    api: Endpoint, model: str, users: int, turns: int, user_tokens: int, max_tokens: int
+) -> dict:
+    """users conversations side by side, each of `turns` turns: every turn adds user_tokens new
+    tokens of the user's to the whole history and generates max_tokens. Per turn: TTFT and what
+    the server evaluated of the prompt and reused from the conversation's earlier turns."""
+    import openai
+
+    client = api.openai(timeout=600, max_retries=0)
+    per_turn: list[list[dict]] = [[] for _ in range(turns)]
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def conversation(index: int) -> None:
+        messages: list[dict] = []
+        with tokenizer_session(api) as http:
+            for turn in range(turns):
+                try:
+                    text = prompt_of(api, http, user_tokens, 10**6 + index * 1000 + turn)
+                    messages.append({"role": "user", "content": text})
+                    done = one_request(client, model, messages, max_tokens)
+                except (
+                    openai.OpenAIError,
+                    requests.RequestException,
+                    ValueError,
+                    BenchError,
+                ) as exc:
+                    with lock:
+                        failures.append(f"turn {turn + 1}: {type(exc).__name__}: {exc}"[:200])
+                    return  # the rest of this conversation has no history to build on
+                messages.append({"role": "assistant", "content": done["text"]})
+                with lock:
+                    per_turn[turn].append(done)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=conversation, args=(i,)) for i in range(users)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.monotonic() - started
+    done_all = [r for rows in per_turn for r in rows]
+
+    def mean(rows: list[dict], key: str) -> float | None:
+        values = [r[key] for r in rows if r[key] is not None]
+        return round(statistics.mean(values), 1) if values else None
+
+    return {
+        "users": users,
+        "turns": [
+            {
+                "turn": turn + 1,
+                "completed": len(rows),
+                "ttft_p50_s": percentile([r["ttft_s"] for r in rows], 0.5),
+                "ttft_p95_s": percentile([r["ttft_s"] for r in rows], 0.95),
+                "prompt_tokens_mean": mean(rows, "prompt_tokens"),
+                "prompt_evaluated_mean": mean(rows, "prompt_evaluated"),
+                "prompt_reused_mean": mean(rows, "prompt_reused"),
+            }
+            for turn, rows in enumerate(per_turn)
+        ],
+        "failures": len(failures),
+        "failure_samples": failures[:3],
+        "wall_s": round(wall, 2),
+        "aggregate_tokens_per_s": round(sum(r["completion_tokens"] for r in done_all) / wall, 2),
+    }
+
+
+def chat(
+    api: Endpoint, model: str, levels: list[int], turns: int, user_tokens: int, max_tokens: int
+):
+    rows = []
+    for users in levels:
+        log(f"chat: {users} users x {turns} turns, {user_tokens} new tokens a turn")
+        row = chat_level(api, model, users, turns, user_tokens, max_tokens)
+        last = row["turns"][-1]
+        log(
+            f"  turn {turns}: TTFT p50 {last['ttft_p50_s'] or 0:.2f} s, "
+            f"{last['prompt_reused_mean']} tokens reused, {row['aggregate_tokens_per_s']} t/s "
+            f"aggregate, {row['failures']} failed"
+        )
+        rows.append(row)
+    return rows
+
+
 def chart(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -397,7 +495,19 @@ def chart(result: dict, path: Path) -> None:
 
     rows = result["sweep"]
     clients = [r["clients"] for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    chats = result.get("chat") or []
+    fig, panels = plt.subplots(1, 3 if chats else 2, figsize=(16 if chats else 11, 4.2))
+    left, right = panels[0], panels[1]
+    if chats:
+        for level in chats:
+            turns = [t["turn"] for t in level["turns"]]
+            panels[2].plot(
+                turns, [t["ttft_p50_s"] or 0 for t in level["turns"]], "o-",
+                label=f"{level['users']} users, TTFT p50",
+            )  # fmt: skip
+        panels[2].set_xlabel("chat turn")
+        panels[2].set_ylabel("seconds")
+        panels[2].legend(fontsize=8)
     left.plot(clients, [r["aggregate_tokens_per_s"] for r in rows], "o-", label="server, aggregate")
     left.plot(
         clients, [r["per_stream_tokens_per_s"] or 0 for r in rows], "s-", label="server, per stream"
@@ -419,8 +529,8 @@ def chart(result: dict, path: Path) -> None:
     plan = result["settings"]
     fig.suptitle(
         f"{result['model']} on {result['machine']['gpu'][:60]}\n"
-        f"release {result['release']}, {plan['slots']} slots x {plan['context']} tokens, "
-        f"KV {plan['kv_type']}",
+        f"release {result['release']}, WORKLOAD={plan['workload']}, {plan['slots']} slots x "
+        f"{plan['context']} tokens, KV {plan['kv_type']}",
         fontsize=9,
     )
     fig.tight_layout()
@@ -442,8 +552,11 @@ def wait_healthy(api: Endpoint, proc: subprocess.Popen, timeout: float) -> float
     raise BenchError(f"llama-server not healthy after {timeout:.0f} s")
 
 
-def native_flags(model: Path, given: dict[str, str], port: int) -> tuple[dict[str, str], dict]:
-    """The rendered server env for model with the given settings, as Compose would pass it."""
+def native_flags(
+    model: Path, given: dict[str, str], port: int
+) -> tuple[dict[str, str], dict, dict[str, str]]:
+    """The rendered server env for model with the given settings, as Compose would pass it; the
+    plan; the settings."""
     values = settings.resolve(
         {}, {"MODEL_DIR": str(model.parent), "MODEL_FILE": model.name, **given}
     )
@@ -452,7 +565,7 @@ def native_flags(model: Path, given: dict[str, str], port: int) -> tuple[dict[st
     flags.update(LLAMA_ARG_MODEL=str(model), LLAMA_ARG_HOST="127.0.0.1", LLAMA_ARG_PORT=str(port))
     # A native server on loopback for the length of the run: no Compose secret, no key.
     del flags["LLAMA_ARG_API_KEY_FILE"]
-    return flags, memory.as_dict() if memory else {}
+    return flags, memory.as_dict() if memory else {}, values
 
 
 def served_model(api: Endpoint) -> str:
@@ -486,6 +599,19 @@ def summary(result: dict) -> str:
             f"{r['per_stream_tokens_per_s'] or 0:>10.1f} {r['ttft_p50_s'] or 0:>8.2f}s "
             f"{r['ttft_p95_s'] or 0:>8.2f}s {r['failures']:>6}"
         )
+    for level in result.get("chat") or []:
+        lines.append(
+            f"  chat, {level['users']} users: {level['aggregate_tokens_per_s']:.1f} t/s aggregate, "
+            f"{level['failures']} failed"
+        )
+        lines.append(f"  {'turn':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'prompt':>7} "
+                     f"{'evaluated':>9} {'reused':>7}")  # fmt: skip
+        for t in level["turns"]:
+            lines.append(
+                f"  {t['turn']:>7} {t['ttft_p50_s'] or 0:>8.2f}s {t['ttft_p95_s'] or 0:>8.2f}s "
+                f"{t['prompt_tokens_mean'] or 0:>7.0f} {t['prompt_evaluated_mean'] or 0:>9.0f} "
+                f"{t['prompt_reused_mean'] or 0:>7.0f}"
+            )
     return "\n".join(lines)
 
 
@@ -505,6 +631,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128, help="sweep prompt length")
     ap.add_argument("--rounds", type=int, default=2, help="requests per client at each level")
     ap.add_argument("--sweep-only", action="store_true", help="skip the engine's benchmarks")
+    ap.add_argument("--chat-turns", type=int, default=4, help="turns per conversation (0: none)")
+    ap.add_argument("--chat-user-tokens", type=int, default=1000, help="new user tokens a turn")
+    ap.add_argument("--chat-max-tokens", type=int, default=64, help="tokens generated a turn")
     ap.add_argument(
         "assignments",
         nargs="*",
@@ -523,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: {exc}", file=sys.stderr)
         return 1
     print(summary(result))
-    return 0 if all(r["failures"] == 0 for r in result["sweep"]) else 1
+    levels = [*result["sweep"], *result.get("chat", [])]
+    return 0 if all(r["failures"] == 0 for r in levels) else 1
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -532,7 +662,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.bin:
         if not args.model:
             raise BenchError("--bin needs --model")
-        flags, memory = native_flags(
+        flags, memory, values = native_flags(
             args.model, settings.parse_assignments(args.assignments), args.port
         )
         engine = Engine(args.bin, args.model)
@@ -550,6 +680,7 @@ def run(args: argparse.Namespace) -> dict:
         env = {**envfile.read(args.env_file), "ENV_FILE": str(args.env_file)}
         flags = envfile.read(Path(env["SERVER_ENV_FILE"]))
         memory = {}
+        values = settings.configured(args.env_file)
         engine = Engine(None, Path(flags["LLAMA_ARG_MODEL"]), env)
         api = Endpoint.of(env)
         release = env["IMAGE_TAG"]
@@ -566,6 +697,8 @@ def run(args: argparse.Namespace) -> dict:
             "context": int(flags.get("LLAMA_ARG_CTX_SIZE", "0")) // slots,
             "kv_type": flags.get("LLAMA_ARG_CACHE_TYPE_K", "f16"),
             "kv_unified": flags.get("LLAMA_ARG_KV_UNIFIED", "off"),
+            "workload": values["WORKLOAD"],
+            "prompt_cache": values["PROMPT_CACHE"],
             "server_flags": flags,
             "plan": memory,
         },
@@ -596,9 +729,13 @@ def run(args: argparse.Namespace) -> dict:
             result["load_seconds"] = round(wait_healthy(api, proc, timeout=900), 1)
             result["memory"] = {"planned_mib": memory.get("used_mib"), **gpu_memory_used()}
         levels = sorted({1, slots, 2 * slots})
-        result["sweep"] = sweep(
-            api, served_model(api), levels, args.rounds, args.prompt_tokens, args.tg
-        )
+        model = served_model(api)
+        result["sweep"] = sweep(api, model, levels, args.rounds, args.prompt_tokens, args.tg)
+        if args.chat_turns:
+            result["chat"] = chat(
+                api, model, sorted({1, slots}), args.chat_turns, args.chat_user_tokens,
+                args.chat_max_tokens,
+            )  # fmt: skip
     finally:
         if proc is not None:
             proc.terminate()

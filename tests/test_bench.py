@@ -16,8 +16,8 @@ pytestmark = pytest.mark.docker
 
 
 def test_bench_measures_the_deployed_stack(stack_for, tiny_model, tmp_path):
-    # Few slots keep the 2x-slots level quick on two cores.
-    stack = stack_for(tiny_model, SLOTS="2", CONTEXT="2048")
+    # Few slots keep the 2x-slots level quick on two cores; chat: turns reuse the history.
+    stack = stack_for(tiny_model, SLOTS="2", CONTEXT="2048", WORKLOAD="chat")
     up = stack.compose("up", "-d", "--wait", "--wait-timeout", "300", "llama-server")
     assert up.returncode == 0, up.stderr[-3000:]
     out = tmp_path / "bench"
@@ -26,7 +26,8 @@ def test_bench_measures_the_deployed_stack(stack_for, tiny_model, tmp_path):
         [sys.executable, "-m", "ternary_serve.cli", "bench",
          "--env-file", str(stack.workdir / ".env"),
          "--out", str(out), "--pp", "32", "--tg", "8", "--reps", "1", "--rounds", "2",
-         "--prompt-tokens", "16"],
+         "--prompt-tokens", "16", "--chat-turns", "3", "--chat-user-tokens", "120",
+         "--chat-max-tokens", "4"],
         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
@@ -44,6 +45,20 @@ def test_bench_measures_the_deployed_stack(stack_for, tiny_model, tmp_path):
         # Counted by the server: every request generated exactly --tg tokens (ignore_eos).
         assert level["completion_tokens"] == level["requests"] * 8
         assert level["aggregate_tokens_per_s"] > 0 and level["ttft_p95_s"] > 0
+    assert result["settings"]["workload"] == "chat"
+    assert result["settings"]["server_flags"]["LLAMA_ARG_CTX_CHECKPOINTS"] == "2"
+    assert [level["users"] for level in result["chat"]] == [1, 2]
+    for level in result["chat"]:
+        assert level["failures"] == 0, level["failure_samples"]
+        first, *later = level["turns"]
+        assert [t["completed"] for t in level["turns"]] == [level["users"]] * 3
+        assert first["prompt_reused_mean"] < 8  # at most what the sweep left (BOS)
+        # Each turn carries the whole history, and the server reuses the earlier turns.
+        prompts = [t["prompt_tokens_mean"] for t in level["turns"]]
+        assert prompts == sorted(prompts) and prompts[-1] > 2 * 120
+        for turn, before in zip(later, level["turns"], strict=False):
+            assert turn["prompt_reused_mean"] >= before["prompt_tokens_mean"] - 8, turn
+    assert "chat, 2 users" in run.stdout and "reused" in run.stdout
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
