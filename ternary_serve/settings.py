@@ -31,6 +31,24 @@ KV_TYPES = ("f16", "q8_0", "q4_0")
 SERVER_ARG = re.compile(r"^LLAMA_ARG_[A-Z0-9_]+$")
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What a WORKLOAD value sets in the server (templates/llama-server.env.j2); each flag's
+    measured effect is in docs/bench.md ("Workload profiles")."""
+
+    ctx_checkpoints: int  # per slot, each a copy of the slot's recurrent state in host RAM
+    backend_sampling: bool  # the sampler chain runs in the model's graph, not on the CPU after it
+
+
+# Checkpoints are what lets a hybrid model (qwen35) reuse a conversation's prompt, and each one is
+# copied synchronously in the server's loop (~150 MiB for the 27B), stalling every other slot:
+# worth it only where turns come back to their prefix.
+WORKLOADS = {
+    "api": Workload(ctx_checkpoints=0, backend_sampling=True),
+    "chat": Workload(ctx_checkpoints=2, backend_sampling=True),
+}
+
+
 class SettingError(Exception):
     """A setting's value that cannot work; the message names the setting and what it accepts."""
 
@@ -167,6 +185,14 @@ SETTINGS = {
         Setting("KV_UNIFIED", "off",
                 "on: one KV pool shared by all slots (a slot may use more than its share)",
                 one_of("on", "off")),
+        Setting("WORKLOAD", "api",
+                "api: independent requests (RAG, tools), no context checkpoints; chat: "
+                "multi-turn conversations, checkpoints so a turn reuses the last one's prompt",
+                one_of(*WORKLOADS)),
+        Setting("PROMPT_CACHE", "off",
+                "on: llama-server's host-RAM prompt cache (8 GiB; idle slots saved to it). Risk: "
+                "the pinned engine can restore another user's conversation into a new request "
+                "(ggml-org/llama.cpp#27148)", one_of("on", "off")),
         Setting("BATCH", "2048", "logical batch size (tokens per prompt-processing call)",
                 integer(32, 65536)),
         Setting("UBATCH", "512", "physical batch size; the compute buffers grow with it",
@@ -194,12 +220,18 @@ SETTINGS = {
         Setting("CLIENT_RATE", "300",
                 "requests one client address may make per minute at the gateway",
                 integer(1, 10**7)),
+        Setting("QUEUE_LENGTH", "16",
+                "requests that may wait at the gateway for a free server slot; more get 429 "
+                "with Retry-After at once", integer(1, 100000)),
+        Setting("QUEUE_WAIT_S", "10",
+                "seconds a request may wait at the gateway for a free slot before it gets 429 "
+                "with Retry-After (a stream once started is never cut)", integer(1, 3600)),
         Setting("DECODE_GATE", "80",
                 "a release goes live only if it decodes at least this % of the tokens/s recorded "
                 "for the release it replaces on this server (a short benchmark after the smoke "
                 "test); 0: not measured", integer(0, 100)),
         Setting("SERVER_EXTRA", "",
-                "more server flags, LLAMA_ARG_NAME=value pairs: LLAMA_ARG_BACKEND_SAMPLING=1",
+                "more server flags, LLAMA_ARG_NAME=value pairs: LLAMA_ARG_THREADS=8",
                 server_extra),
         Setting("BUILD_BASE_IMAGE", "", "the image to build the engine on (empty: versions.env's)"),
         Setting("RUNTIME_BASE_IMAGE", "", "the server image's base (empty: versions.env's)"),

@@ -54,6 +54,7 @@ LANES: dict[str, list[str]] = {
     "molecule": ["test_ansible.py"],
     "fleet": ["test_fleet.py", "test_bench.py"],
     "release": ["test_release.py"],
+    "serving": ["test_serving.py"],
     "stack": ["test_stack.py", "test_endpoint.py", "test_convert.py", "test_constraints.py",
               "test_liveness.py", "test_ubuntu_standin.py", "test_cuda_image.py"],
     "chaos": ["test_chaos.py", f"--deselect={DOCKERD_RESTART}"],

@@ -92,6 +92,9 @@ def stack(built, models_on_a_small_disk, tmp_path_factory):
         # The per-client limits are test_endpoint's; here all 32 clients share one address.
         CLIENT_RATE="100000",
         CLIENT_CONNECTIONS="1000",
+        # The bounded queue is test_serving's; here 28 of the 32 clients wait for a slot.
+        QUEUE_LENGTH="64",
+        QUEUE_WAIT_S="120",
         SLOTS="4",
         # Per slot: long enough that a stream of nearly all of it outlasts a kill at its start.
         CONTEXT="2048",

@@ -96,10 +96,12 @@ SERVER_EFFECTS = [
     ("SLOTS", "3", {"LLAMA_ARG_N_PARALLEL": "3", "LLAMA_ARG_CTX_SIZE": str(3 * 8192)}),
     ("KV_TYPE", "q8_0", {"LLAMA_ARG_CACHE_TYPE_K": "q8_0", "LLAMA_ARG_CACHE_TYPE_V": "q8_0"}),
     ("KV_UNIFIED", "on", {"LLAMA_ARG_KV_UNIFIED": "on"}),
+    ("WORKLOAD", "chat", {"LLAMA_ARG_CTX_CHECKPOINTS": "2"}),
+    ("PROMPT_CACHE", "on", {"LLAMA_ARG_CACHE_RAM": "8192", "LLAMA_ARG_CACHE_IDLE_SLOTS": "1"}),
     ("BATCH", "1024", {"LLAMA_ARG_BATCH": "1024"}),
     ("UBATCH", "256", {"LLAMA_ARG_UBATCH": "256"}),
-    ("SERVER_EXTRA", "LLAMA_ARG_BACKEND_SAMPLING=1 LLAMA_ARG_THREADS=2",
-     {"LLAMA_ARG_BACKEND_SAMPLING": "1", "LLAMA_ARG_THREADS": "2"}),
+    ("SERVER_EXTRA", "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT=64 LLAMA_ARG_THREADS=2",
+     {"LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT": "64", "LLAMA_ARG_THREADS": "2"}),
     ("SLOTS_ENDPOINT", "on", {"LLAMA_ARG_ENDPOINT_SLOTS": "1"}),
     ("VRAM_MIB", "4096", {}),
     ("GPU", "1", {}),
@@ -115,6 +117,8 @@ SERVER_EFFECTS = [
     ("BODY_LIMIT_KIB", "64", {}),
     ("CLIENT_CONNECTIONS", "5", {}),
     ("CLIENT_RATE", "7", {}),
+    ("QUEUE_LENGTH", "3", {}),
+    ("QUEUE_WAIT_S", "4", {}),
 ]  # fmt: skip
 
 
@@ -250,9 +254,11 @@ def test_the_gateway_is_the_only_published_port_when_on(tmp_path, given, on):
 def test_gateway_settings_reach_its_configuration(tmp_path):
     configure(
         tmp_path, GATEWAY="on", CORS_ORIGINS="https://a.example.test http://b.example.test:8080",
-        BODY_LIMIT_KIB="64", CLIENT_CONNECTIONS="5", CLIENT_RATE="7",
+        BODY_LIMIT_KIB="64", CLIENT_CONNECTIONS="5", CLIENT_RATE="7", QUEUE_LENGTH="3",
+        QUEUE_WAIT_S="4",
     )  # fmt: skip
     cfg = (tmp_path / "haproxy.cfg").read_text()
+    assert "queue(llama_server) ge 3 }" in cfg and "timeout queue 4s\n" in cfg
     assert "-m str https://a.example.test http://b.example.test:8080" in cfg
     assert (
         "content-length) gt 65536\n" in cfg
@@ -300,15 +306,57 @@ def test_the_operators_certificate_replaces_the_generated_one(tmp_path):
     assert (tmp_path / "gateway.pem").read_text() == bundle
 
 
+def limit_mib(env: dict[str, str]) -> int:
+    return int(env["SERVER_MEMORY_LIMIT"].removesuffix("m"))
+
+
 def test_memory_limits_come_from_the_plan(tmp_path, tiny_model):
     base = {"MODEL_DIR": str(tiny_model.parent), "MODEL_FILE": tiny_model.name, "BACKEND": "cpu"}
     env, memory = configure(tmp_path, **base)
-    expected = (
-        memory.host_weights_mib + memory.used_mib + config.CACHE_RAM_MIB
-        + config.CTX_CHECKPOINTS * memory.recurrent_mib + config.HOST_RUNTIME_MIB["cpu"]
-    )  # fmt: skip
-    assert env["SERVER_MEMORY_LIMIT"] == f"{expected}m"
     server = compose_config(tmp_path)["services"]["llama-server"]
-    assert int(server["mem_limit"]) == expected * 2**20
-    more, _ = configure(tmp_path, SLOTS="2")  # fewer slots: fewer checkpoints, a lower limit
-    assert int(more["SERVER_MEMORY_LIMIT"][:-1]) < expected
+    assert int(server["mem_limit"]) == limit_mib(env) * 2**20
+    # The default holds what the plan holds, on a CPU all of it, and no checkpoint or cache.
+    assert memory.used_mib < limit_mib(env) <= memory.used_mib + 2048
+    chat, _ = configure(tmp_path, WORKLOAD="chat")
+    assert limit_mib(chat) - limit_mib(env) == 2 * memory.recurrent_mib  # 2 per slot
+    cached, _ = configure(tmp_path, WORKLOAD="api", PROMPT_CACHE="on")
+    assert limit_mib(cached) - limit_mib(env) == 8192
+    fewer, _ = configure(tmp_path, WORKLOAD="chat", PROMPT_CACHE="off", SLOTS="2")
+    assert limit_mib(fewer) < limit_mib(chat)  # fewer slots: fewer checkpoints
+
+
+def test_a_workload_the_hosts_ram_cannot_hold_is_refused_and_nothing_is_written(tmp_path, capsys):
+    """Bonsai 2 27B's shape (header only): 256 slots of chat keep 2 x 256 x ~150 MiB of
+    checkpoints in host RAM, more than this machine has; api keeps none and is planned."""
+    from ternary_serve import synthetic
+
+    (tmp_path / "models").mkdir()
+    model = synthetic.write_model(tmp_path / "models" / "bonsai.gguf", "27b", header_only=True)
+    args = [f"MODEL_DIR={model.parent}", f"MODEL_FILE={model.name}", "BACKEND=cuda",
+            f"VRAM_MIB={10**6}", "SLOTS=256", "CONTEXT=1024"]  # fmt: skip
+    state = tmp_path / "state"
+    state.mkdir()
+    where = ["--env-file", str(state / ".env"), "--state-dir", str(state)]
+    assert config.main([*args, "WORKLOAD=chat", *where]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "context checkpoints for WORKLOAD=chat" in err, err
+    assert "set WORKLOAD=api, fewer SLOTS, or PROMPT_CACHE=off" in err
+    assert list(state.iterdir()) == []
+    assert config.main([*args, *where]) == 0, capsys.readouterr().err
+
+
+def test_each_workload_sets_its_server_flags(tmp_path, tiny_model):
+    """The profiles' flags as the server reads them (tests/test_serving.py: on the live server)."""
+    base = {"MODEL_DIR": str(tiny_model.parent), "MODEL_FILE": tiny_model.name, "BACKEND": "cpu"}
+    configure(tmp_path, **base)
+    api = server_flags(tmp_path)
+    configure(tmp_path, WORKLOAD="chat")
+    chat = server_flags(tmp_path)
+    assert (api["LLAMA_ARG_CTX_CHECKPOINTS"], chat["LLAMA_ARG_CTX_CHECKPOINTS"]) == ("0", "2")
+    assert api["LLAMA_ARG_BACKEND_SAMPLING"] == chat["LLAMA_ARG_BACKEND_SAMPLING"] == "1"
+    # The host prompt cache is off in both until PROMPT_CACHE=on (ggml-org/llama.cpp#27148).
+    for flags in (api, chat):
+        assert (flags["LLAMA_ARG_CACHE_RAM"], flags["LLAMA_ARG_CACHE_IDLE_SLOTS"]) == ("0", "0")
+    configure(tmp_path, PROMPT_CACHE="on")
+    cached = server_flags(tmp_path)
+    assert (cached["LLAMA_ARG_CACHE_RAM"], cached["LLAMA_ARG_CACHE_IDLE_SLOTS"]) == ("8192", "1")

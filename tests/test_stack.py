@@ -76,7 +76,6 @@ def test_compose_up_serves_and_the_smoke_sidecar_passes(stack_for, tiny_model):
         slots = stack.api().get(f"{stack.url}/slots", timeout=10)
         assert slots.status_code != 200 and "prompt" not in slots.text, slots.text[:300]
         assert_every_flag_is_effective(stack)
-        assert_prompt_reuse_through_checkpoints(stack)
     finally:
         proc.terminate()
         proc.wait(timeout=120)
@@ -114,24 +113,6 @@ def assert_every_flag_is_effective(stack) -> None:
     assert "listening on" in logs
     assert not disabled_flags(logs), disabled_flags(logs)
     assert disabled_flags(server_log_with(stack, "LLAMA_ARG_CACHE_REUSE=256"))
-
-
-def assert_prompt_reuse_through_checkpoints(stack) -> None:
-    """A follow-up turn reuses the conversation's prompt: on a hybrid model only a context
-    checkpoint (LLAMA_ARG_CTX_CHECKPOINTS) makes that possible."""
-    history = [
-        {"role": "system", "content": "You answer briefly. " * 40},
-        {"role": "user", "content": "Name a colour."},
-    ]
-
-    def turn() -> dict:
-        body = {"messages": history, "max_tokens": 8, "temperature": 0}
-        return stack.api().post(f"{stack.url}/v1/chat/completions", timeout=60, json=body).json()
-
-    first = turn()
-    history += [first["choices"][0]["message"], {"role": "user", "content": "Another one?"}]
-    second = turn()
-    assert second["timings"]["cache_n"] > 100, second["timings"]
 
 
 def test_make_style_deploy_reports_ttft_and_decode_rate(stack_for, tiny_model):
