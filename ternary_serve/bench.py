@@ -328,11 +328,28 @@ def percentile(values: list[float], share: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
 
 
+def request_errors() -> tuple[type[Exception], ...]:
+    """What one load request may fail with; every one counts, the prompt's /tokenize calls
+    included: a worker that died on one would silently make fewer requests than reported."""
+    import openai
+
+    return (openai.OpenAIError, requests.RequestException, ValueError, BenchError)
+
+
+def side_by_side(work, count: int) -> float:
+    """work(0) .. work(count - 1) in threads at once; the wall time until all have ended."""
+    started = time.monotonic()
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.monotonic() - started
+
+
 def sweep_level(
     api: Endpoint, model: str, clients: int, rounds: int, prompt: int, max_tokens: int, offset: int
 ) -> dict:
-    import openai
-
     client = api.openai(timeout=600, max_retries=0)
     results: list[dict] = []
     failures: list[str] = []
@@ -345,27 +362,14 @@ def sweep_level(
                     request = offset + index * rounds + r
                     text = prompt_of(api, http, prompt, request)
                     done = one_request(client, model, user(text), max_tokens)
-                # Every failure of a request counts, the prompt's /tokenize calls included: a worker
-                # that died on one would silently make fewer requests than the sweep reports.
-                except (
-                    openai.OpenAIError,
-                    requests.RequestException,
-                    ValueError,
-                    BenchError,
-                ) as exc:
+                except request_errors() as exc:
                     with lock:
                         failures.append(f"{type(exc).__name__}: {exc}"[:200])
                     continue
                 with lock:
                     results.append(done)
 
-    started = time.monotonic()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.monotonic() - started
+    wall = side_by_side(worker, clients)
     ttft = [r["ttft_s"] for r in results]
     per_stream = [r["decode_tokens_per_s"] for r in results if r["decode_tokens_per_s"]]
     return {
@@ -408,8 +412,6 @@ def chat_level(
     """users conversations side by side, each of `turns` turns: every turn adds user_tokens new
     tokens of the user's to the whole history and generates max_tokens. Per turn: TTFT and what
     the server evaluated of the prompt and reused from the conversation's earlier turns."""
-    import openai
-
     client = api.openai(timeout=600, max_retries=0)
     per_turn: list[list[dict]] = [[] for _ in range(turns)]
     failures: list[str] = []
@@ -423,12 +425,7 @@ def chat_level(
                     text = prompt_of(api, http, user_tokens, 10**6 + index * 1000 + turn)
                     messages.append({"role": "user", "content": text})
                     done = one_request(client, model, messages, max_tokens)
-                except (
-                    openai.OpenAIError,
-                    requests.RequestException,
-                    ValueError,
-                    BenchError,
-                ) as exc:
+                except request_errors() as exc:
                     with lock:
                         failures.append(f"turn {turn + 1}: {type(exc).__name__}: {exc}"[:200])
                     return  # the rest of this conversation has no history to build on
@@ -436,13 +433,7 @@ def chat_level(
                 with lock:
                     per_turn[turn].append(done)
 
-    started = time.monotonic()
-    threads = [threading.Thread(target=conversation, args=(i,)) for i in range(users)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.monotonic() - started
+    wall = side_by_side(conversation, users)
     done_all = [r for rows in per_turn for r in rows]
 
     def mean(rows: list[dict], key: str) -> float | None:

