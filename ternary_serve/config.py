@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import errno
 import hashlib
-import ipaddress
 import json
 import re
 import socket
@@ -90,18 +89,11 @@ def project_revision() -> str:
     return head.stdout.strip() + ("" if clean else "-dirty")
 
 
-def gateway_on(values: dict[str, str]) -> bool:
-    """GATEWAY=auto turns the gateway on for any address other hosts can reach."""
-    if values["GATEWAY"] != settings.AUTO:
-        return values["GATEWAY"] == "on"
-    return not ipaddress.ip_address(values["PUBLISH_ADDRESS"]).is_loopback
-
-
 def compose_files(values: dict[str, str]) -> str:
     files = ["compose.yaml"]
     if values["BACKEND"] == "cpu":
         files.append("compose.cpu.yaml")
-    if gateway_on(values):
+    if values["GATEWAY"] == "on":
         files.append("compose.gateway.yaml")
     return ":".join(files)
 
@@ -156,7 +148,7 @@ def compose_env(pins: dict[str, str], values: dict[str, str], state_dir: Path) -
         **values,
         "COMPOSE_PROJECT_NAME": values["PROJECT_NAME"],
         "COMPOSE_FILE": compose_files(values),
-        "COMPOSE_PROFILES": "gateway" if gateway_on(values) else "",
+        "COMPOSE_PROFILES": "gateway" if values["GATEWAY"] == "on" else "",
         **engine,
         "CUDA_ARCHITECTURES": pins["CUDA_ARCHITECTURES"],
         "GCC_VERSION": pins["GCC_VERSION"],

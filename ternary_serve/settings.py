@@ -202,9 +202,10 @@ SETTINGS = {
                 one_of("on", "off")),
         Setting("WEB_UI", "off", "on: llama-server's web chat UI at / (through the gateway too)",
                 one_of("on", "off")),
-        Setting("GATEWAY", AUTO,
-                "TLS reverse proxy (HAProxy) in front of the server, the only published port; "
-                "auto: on when PUBLISH_ADDRESS is not loopback", one_of(AUTO, "on", "off")),
+        Setting("GATEWAY", "on",
+                "TLS reverse proxy (HAProxy) in front of the server, the only published port: "
+                "body limit, CORS, the bounded queue, slow clients (loopback too); off: the "
+                "server's own port, with none of these", one_of("on", "off")),
         Setting("TLS_CERT", "",
                 "the gateway's PEM certificate (chain); empty: one generated for this host",
                 optional_file),

@@ -132,7 +132,7 @@ def stack_for(built, tmp_path, request):
     """A fresh Compose project on the built images, serving the given model; always torn down."""
     made: list[Stack] = []
 
-    def make(model: Path, **settings: str) -> Stack:
+    def make(model: Path, **settings: str | None) -> Stack:
         name = "ts-" + re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-")
         stack = configure(tmp_path / "stack", model, name, **settings)
         assert stack.env["IMAGE_TAG"] == built.env["IMAGE_TAG"]

@@ -46,7 +46,8 @@ def test_config_defaults_target_the_fork_on_cuda(tmp_path):
     assert env["ENGINE_REF"] == pins["ENGINE_REF"]
     assert env["BUILD_BASE_IMAGE"] == pins["CUDA_BUILD_IMAGE"]
     assert env["RUNTIME_BASE_IMAGE"] == pins["CUDA_RUNTIME_IMAGE"]
-    assert env["COMPOSE_FILE"] == "compose.yaml"
+    # The gateway in front, on loopback too.
+    assert env["COMPOSE_FILE"] == "compose.yaml:compose.gateway.yaml"
     assert env["PUBLISH_ADDRESS"] == "127.0.0.1"
     # No model in place: no plan yet, and the server flags say so (the deploy plans).
     assert memory is None
@@ -66,7 +67,7 @@ def test_cuda_server_flags_put_every_layer_on_the_gpu(tmp_path):
 
 def test_cpu_variant_adds_the_cpu_override_and_no_gpu_layers(tmp_path):
     env, _ = configure(tmp_path, BACKEND="cpu")
-    assert env["COMPOSE_FILE"] == "compose.yaml:compose.cpu.yaml"
+    assert env["COMPOSE_FILE"] == "compose.yaml:compose.cpu.yaml:compose.gateway.yaml"
     assert server_flags(tmp_path)["LLAMA_ARG_N_GPU_LAYERS"] == "0"
     assert env["IMAGE_TAG"].endswith("-cpu")
 
@@ -112,7 +113,7 @@ SERVER_EFFECTS = [
     ("MODEL_TYPE", "Q1_0", {}),
     ("PROJECT_NAME", "other-stack", {}),
     ("WEB_UI", "on", {"LLAMA_ARG_UI": "1"}),
-    ("GATEWAY", "on", {}),
+    ("GATEWAY", "off", {}),
     ("CORS_ORIGINS", "https://app.example.test", {}),
     ("BODY_LIMIT_KIB", "64", {}),
     ("CLIENT_CONNECTIONS", "5", {}),
@@ -232,7 +233,7 @@ def compose_config(tmp_path) -> dict:
 
 @pytest.mark.parametrize(
     ("given", "on"),
-    [({}, False), ({"PUBLISH_ADDRESS": "0.0.0.0"}, True), ({"GATEWAY": "on"}, True),
+    [({}, True), ({"PUBLISH_ADDRESS": "0.0.0.0"}, True), ({"GATEWAY": "off"}, False),
      ({"PUBLISH_ADDRESS": "0.0.0.0", "GATEWAY": "off"}, False)],
 )  # fmt: skip
 def test_the_gateway_is_the_only_published_port_when_on(tmp_path, given, on):

@@ -2,8 +2,9 @@
 the gateway (TLS, the API's paths only, CORS, body and per-client limits), the containers'
 restrictions, and no secret in an image, a container's configuration, a log or a file but its own.
 
-The real stack (CPU variant, tiny synthetic model) with GATEWAY=on: the real HAProxy from Debian's
-package and the real llama-server. Stand-ins: the base images (a debootstrapped Debian instead of
+The real stack (CPU variant, tiny synthetic model) as deployed by default: GATEWAY and
+PUBLISH_ADDRESS unset, so the gateway on loopback, the real HAProxy from Debian's package in front
+of the real llama-server. Stand-ins: the base images (a debootstrapped Debian instead of
 nvidia/cuda and debian-slim); the certificate is the generated one, as on a box without TLS_CERT.
 """
 
@@ -36,7 +37,7 @@ def gateway(built, tiny_model, tmp_path_factory):
         tmp_path_factory.mktemp("endpoint"),
         tiny_model,
         "ts-endpoint",
-        GATEWAY="on",
+        GATEWAY=None,  # the default deployment: the gateway, on loopback too
         CORS_ORIGINS=ORIGIN,
         BODY_LIMIT_KIB="64",
         CLIENT_RATE=str(CLIENT_RATE),
@@ -192,6 +193,16 @@ def test_bodies_over_the_limit_or_without_a_length_are_refused(gateway):
     )
     assert chunked.status_code == 411
     assert chat(gateway).status_code == 200  # and the server is fine
+
+
+def test_a_declared_body_that_never_comes_is_refused_in_seconds(gateway):
+    """llama-server alone waits forever for a body whose declared length never arrives, one of
+    its threads held per such request: the gateway answers 408 within its 10 s."""
+    started = time.monotonic()
+    assert gateway.status_for_declared_body(1000) == 408
+    waited_s = time.monotonic() - started
+    assert waited_s < 15, f"the gateway waited {waited_s:.0f} s for the missing body"
+    assert chat(gateway).status_code == 200
 
 
 def inspect(container: str) -> dict:
