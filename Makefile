@@ -52,7 +52,7 @@ SETTING_ARGS := $(foreach v,$(SETTING_NAMES),$(if $(filter command line,$(origin
 	$(if $(BASE_IMAGE_OVERRIDE),$(foreach role,BUILD RUNTIME SMOKE GATEWAY,'$(role)_BASE_IMAGE=$(BASE_IMAGE_OVERRIDE)'))
 
 .PHONY: help venv versions config settings plan model convert build release up deploy rollback releases images-bundle \
-	rotate-key down bench smoke logs demo test check docs-figures lint bootstrap constraints fleet-deploy fleet-rollback \
+	rotate-key down bench smoke logs demo test check docs-figures docs-settings lint bootstrap constraints fleet-deploy fleet-rollback \
 	fleet-releases
 
 help: ## list targets
@@ -190,6 +190,9 @@ test: bootstrap venv ## everything CI runs, in lanes side by side: lint, unit te
 check: venv lint ## the inner loop: lint and every test that needs no Docker (a few minutes)
 	python3 tests/bootstrap.py compose
 	$(PY) -m pytest -m "not docker" -q -p no:cacheprovider --durations=5
+
+docs-settings: ## regenerate docs/settings.md from the settings registry (a test fails when it is stale)
+	python3 -m ternary_serve.settings --page > docs/settings.md.tmp && mv docs/settings.md.tmp docs/settings.md
 
 docs-figures: venv ## copy the figures of the last green `make test` (test-results/docs) into docs/
 	$(PY) tests/lanes.py publish

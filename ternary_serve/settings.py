@@ -56,7 +56,18 @@ class SettingError(Exception):
 Check = Callable[[str], str]
 
 
+def accepting(text: str) -> Callable[[Check], Check]:
+    """Mark a check with what it accepts, in words, for the settings page (docs/settings.md)."""
+
+    def mark(check: Check) -> Check:
+        check.accepts = text  # type: ignore[attr-defined]
+        return check
+
+    return mark
+
+
 def one_of(*options: str) -> Check:
+    @accepting(" or ".join(f"`{option}`" for option in options))
     def check(value: str) -> str:
         if value not in options:
             raise ValueError(f"choose {' or '.join(options)}")
@@ -66,6 +77,7 @@ def one_of(*options: str) -> Check:
 
 
 def integer(low: int, high: int, auto: bool = False) -> Check:
+    @accepting(f"{low} to {high}" + (f", or `{AUTO}`" if auto else ""))
     def check(value: str) -> str:
         if auto and value == AUTO:
             return value
@@ -80,6 +92,7 @@ def integer(low: int, high: int, auto: bool = False) -> Check:
 def matching(pattern: str, what: str) -> Check:
     compiled = re.compile(pattern)
 
+    @accepting(what)
     def check(value: str) -> str:
         if not compiled.fullmatch(value):
             raise ValueError(what)
@@ -88,10 +101,12 @@ def matching(pattern: str, what: str) -> Check:
     return check
 
 
+@accepting("any text")
 def anything(value: str) -> str:
     return value
 
 
+@accepting("an IP address")
 def ip_address(value: str) -> str:
     try:
         ipaddress.ip_address(value)
@@ -100,6 +115,7 @@ def ip_address(value: str) -> str:
     return value
 
 
+@accepting("a directory (relative: from the project directory)")
 def directory(value: str) -> str:
     """Relative paths are taken from the project directory (where .env lives)."""
     if not value:
@@ -107,12 +123,14 @@ def directory(value: str) -> str:
     return str((PROJECT_ROOT / value).resolve()) if not Path(value).is_absolute() else value
 
 
+@accepting("an absolute path, or empty")
 def optional_file(value: str) -> str:
     if value and not Path(value).is_absolute():
         raise ValueError("an absolute path to a file, or empty")
     return value
 
 
+@accepting("space-separated `https://host[:port]` origins, or empty")
 def origins(value: str) -> str:
     for origin in value.split():
         if not re.fullmatch(r"https?://[A-Za-z0-9.-]+(:\d+)?", origin):
@@ -123,6 +141,7 @@ def origins(value: str) -> str:
     return value
 
 
+@accepting("space-separated `LLAMA_ARG_NAME=value` pairs, or empty")
 def server_extra(value: str) -> str:
     for pair in value.split():
         key, sep, _ = pair.partition("=")
@@ -159,7 +178,7 @@ SETTINGS = {
                 "what model-init fetches when the file is missing: a models.yaml name, https://, "
                 "hf://OWNER/REPO/FILE, or a checkpoint directory as /models/NAME"),
         Setting("MODEL_SHA256", "", "the model's expected SHA-256 (empty: the catalog's, if any)",
-                matching(r"(|[0-9a-f]{64})", "64 lowercase hex digits")),
+                matching(r"(|[0-9a-f]{64})", "64 lowercase hex digits, or empty")),
         Setting("MODEL_TYPE", "Q2_0", "the type model-init converts a checkpoint source to",
                 matching(r"[A-Z0-9_]+", "a ggml type name, e.g. Q2_0")),
         Setting("QUALITY_GATE", "auto",
@@ -242,7 +261,7 @@ SETTINGS = {
         Setting("REVISION", "",
                 "the project commit for the image tag (empty: this checkout's; provisioning "
                 "passes the controller's)",
-                matching(r"(|[\w.-]+)", "a commit id")),
+                matching(r"(|[\w.-]+)", "a commit id, or empty")),
     )
 }  # fmt: skip
 
@@ -297,13 +316,53 @@ def configured(env_file: Path) -> dict[str, str]:
     return resolve({name: env[name] for name in SETTINGS if name in env}, {})
 
 
+SETTINGS_PAGE = PROJECT_ROOT / "docs" / "settings.md"
+PAGE_INTRO = """\
+# Settings
+
+<!-- Generated from ternary_serve/settings.py by `make docs-settings`; a test fails when stale. -->
+
+Every operator setting is declared once, with its default and its check, in
+`ternary_serve/settings.py`. Set them by name, the same way everywhere:
+
+```
+make config CONTEXT=16384 KV_TYPE=auto         # Make; `make up NAME=value` works too
+ternary-serve config CONTEXT=16384             # the CLI that Make calls
+llm_stack_settings: {CONTEXT: 16384}           # the Ansible role (inventory or group_vars)
+```
+
+Chosen values are kept in `settings.env` beside `.env`, so a later `make up` keeps them; `NAME=`
+returns one to its default. A bad value stops with one line and changes nothing (`config: SLOTS=0:
+a whole number from 1 to 256, or auto`); a misspelt name too (`CONTXT is not a setting: did you
+mean CONTEXT?`; Make says so before running anything). `make settings` lists them with the values
+in effect. How the memory plan, the server flags and the pins use them:
+[configuration.md](configuration.md).
+
+"""
+
+
+def page() -> str:
+    """docs/settings.md: the registry as a table (name, default, what it accepts, meaning)."""
+    rows = ["| setting | default | accepts | meaning |", "|---|---|---|---|"]
+    for setting in SETTINGS.values():
+        default = f"`{setting.default}`" if setting.default else "(empty)"
+        accepts = getattr(setting.check, "accepts", "")
+        meaning = setting.help.replace("|", "\\|")
+        rows.append(f"| `{setting.name}` | {default} | {accepts} | {meaning} |")
+    return PAGE_INTRO + "\n".join(rows) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ternary-serve settings", description=__doc__.splitlines()[0])
     ap.add_argument("--names", action="store_true", help="only the names, one line (for Make)")
     ap.add_argument("--get", metavar="NAME", help="print one setting as the stack is configured")
     ap.add_argument("--check", nargs="*", metavar="NAME=value", help="check these, change nothing")
     ap.add_argument("--env-file", type=Path, default=PROJECT_ROOT / ".env")
+    ap.add_argument("--page", action="store_true", help=f"print {SETTINGS_PAGE.name}'s text")
     args = ap.parse_args(argv)
+    if args.page:
+        sys.stdout.write(page())
+        return 0
     if args.check is not None:
         try:
             resolve({}, parse_assignments(args.check))

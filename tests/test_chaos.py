@@ -407,19 +407,16 @@ def test_abusive_requests_are_refused_or_bounded_and_the_server_stays_healthy(st
         headers={"Content-Type": "application/json"},
         timeout=60,
     ).status_code
-    huge = http.post(
-        url,
-        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9,
-              "ignore_eos": True},
-        timeout=300,
-    )  # fmt: skip
+    # Streamed, with a bound on the wait for each chunk, not on the whole answer: how long a
+    # context's worth of tokens takes depends on what else this machine runs (a cold run's CUDA
+    # compile took it past 300 s once), the bound on what one request generates does not.
+    huge = stream(client(stack, timeout=60), tokens=10**9)
     slow_s = slowloris(stack)
     assert refused["oversized body (50 MiB declared)"] == 413
     # Refused, though by the engine, which answers a body it cannot parse with a 500.
     assert refused["malformed JSON"] >= 400 and refused["invalid UTF-8"] >= 400, refused
     # 1e9 tokens asked: the slot's context bounds what one request generates.
-    assert huge.status_code == 200
-    assert huge.json()["usage"]["total_tokens"] <= int(stack.env["CONTEXT"])
+    assert huge["tokens"] <= int(stack.env["CONTEXT"]), huge
     # The gateway's `timeout http-request 10s`.
     assert slow_s <= 12, f"a slow client held a connection for {slow_s:.0f} s"
     memory = container_memory(stack)
@@ -433,8 +430,7 @@ def test_abusive_requests_are_refused_or_bounded_and_the_server_stays_healthy(st
         1,
         0,
         None,
-        f"none: bounded by the slot's context ({huge.json()['usage']['completion_tokens']} "
-        "tokens generated)",
+        f"none: bounded by the slot's context ({huge['tokens']} tokens generated)",
     )
     record(
         "slowloris (headers 1 byte/2 s)",

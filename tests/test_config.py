@@ -197,6 +197,15 @@ def test_a_bad_value_is_refused_with_one_line_and_nothing_written(tmp_path, caps
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_settings_page_is_the_registry_as_it_stands():
+    page = settings.SETTINGS_PAGE.read_text()
+    assert page == settings.page(), "docs/settings.md is stale: run `make docs-settings`"
+    rows = {line.split("`")[1]: line for line in page.splitlines() if line.startswith("| `")}
+    assert list(rows) == list(settings.SETTINGS)
+    # every row says what the setting accepts (a check without words would leave the cell empty)
+    assert all(line.split(" | ")[2].strip() for line in rows.values()), rows
+
+
 def test_make_passes_settings_by_name_and_refuses_a_misspelt_one():
     dry = subprocess.run(
         ["make", "-n", "config", "CONTEXT=4096", "KV_TYPE=q8_0"],
