@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -52,6 +53,19 @@ def test_config_defaults_target_the_fork_on_cuda(tmp_path):
     # No model in place: no plan yet, and the server flags say so (the deploy plans).
     assert memory is None
     assert server_flags(tmp_path)["LLAMA_ARG_FIT"] == "on"
+
+
+@pytest.mark.parametrize("backend", ["cuda", "cpu"])
+def test_every_image_is_built_from_a_base_pinned_by_digest(tmp_path, backend):
+    """What a default `make config` hands Compose's build: a tag alone can move under a rebuild, a
+    digest cannot."""
+    env, _ = configure(tmp_path, BACKEND=backend)
+    bases = {key: value for key, value in env.items() if key.endswith("_BASE_IMAGE")}
+    assert len(bases) == 4, bases
+    for key, image in bases.items():
+        assert re.fullmatch(r"[a-z0-9./_-]+:[\w.-]+@sha256:[0-9a-f]{64}", image), (
+            f"{key}={image}: pin the base image in versions.env by digest (TAG@sha256:...)"
+        )
 
 
 def test_cuda_server_flags_put_every_layer_on_the_gpu(tmp_path):

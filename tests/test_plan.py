@@ -47,12 +47,15 @@ def test_shape_is_read_from_the_header(which, tiny_model, llama_tiny):
     assert shape.weight_bytes + shape.host_weight_bytes <= path.stat().st_size
 
 
-def test_bonsai_2_27b_facts():
-    """The 27B's own hyperparameters through the same formulas: 64 KiB of f16 KV cache per token
-    and about 150 MiB of recurrent state per slot, as llama.cpp reports for the real model."""
-    kv, recurrent, attention = expected_from_profile("27b")
-    assert (kv * 2, attention) == (64 * 1024, 16)
-    assert 149 < recurrent / MIB < 150
+def test_bonsai_2_27b_facts(tmp_path):
+    """The plan's reader on Bonsai 2 27B's own header (hyperparameters only, no weights) gives
+    what llama.cpp reports when it loads the real model: 64 KiB of f16 KV cache per token over
+    16 attention layers, and about 150 MiB of recurrent state per slot."""
+    header = synthetic.write_model(tmp_path / "bonsai.gguf", "27b", header_only=True)
+    shape = plan.Shape.from_gguf(header)
+    assert (shape.architecture, shape.attention_layers) == ("qwen35", 16)
+    assert shape.kv_bytes_per_token("f16") == 64 * 1024
+    assert 149 < shape.recurrent_bytes_per_slot / MIB < 150
 
 
 def plan_for(path, **given):
