@@ -36,41 +36,29 @@ import requests
 import requests.adapters
 import urllib3.util
 
-from ternary_serve import config, credentials, envfile, settings
+from ternary_serve import config, envfile, errors, gpu, probe, settings
 from ternary_serve.client import Endpoint
+from ternary_serve.files import write_json
 from ternary_serve.versions import PROJECT_ROOT
 
 
-class BenchError(Exception):
+class BenchError(errors.ServeError):
     """A benchmark step that could not run; the message says which and why."""
 
 
 def gpu_name() -> str:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-        )
-    except FileNotFoundError:
+    gpus, _ = gpu.query()
+    if not gpus:
         return f"no NVIDIA GPU; CPU: {platform.processor() or platform.machine()}"
-    return out.stdout.strip() if out.returncode == 0 else "no NVIDIA GPU"
+    return "; ".join(map(str, gpus))
 
 
 def gpu_memory_used(index: int = 0) -> dict:
     """What the whole GPU has in use (MiB), by nvidia-smi; empty without one."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "-i", str(index), "--query-gpu=memory.used,memory.total",
-             "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
-    except (FileNotFoundError, subprocess.TimeoutExpired):
+    gpus, _ = gpu.query(index)
+    if not gpus:
         return {}
-    if out.returncode != 0 or not out.stdout.strip():
-        return {}
-    used, total = out.stdout.splitlines()[0].split(",")
-    return {"nvidia_smi_used_mib": int(used), "nvidia_smi_total_mib": int(total)}
+    return {"nvidia_smi_used_mib": gpus[0].used_mib, "nvidia_smi_total_mib": gpus[0].total_mib}
 
 
 def engine_room(flags: dict[str, str], env: dict[str, str]) -> str | None:
@@ -258,69 +246,6 @@ def prompt_of(api: Endpoint, http: requests.Session, n_tokens: int, request: int
     return cut.json()["content"]
 
 
-def one_request(client, model: str, messages: list[dict], max_tokens: int) -> dict:
-    started = time.monotonic()
-    first = None
-    usage = timings = None
-    text = []
-    stream = client.chat.completions.create(
-        model=model,
-        messages=messages,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        # Every request generates max_tokens: comparable runs; thinking off: chat templates that
-        # think first would hide the first token.
-        extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}},
-    )
-    for chunk in stream:
-        piece = (chunk.choices[0].delta.content or "") if chunk.choices else ""
-        if first is None and piece:
-            first = time.monotonic()
-        text.append(piece)
-        usage = chunk.usage or usage
-        timings = (chunk.model_extra or {}).get("timings") or timings
-    if usage is None or timings is None:
-        raise BenchError("the stream ended without the server's usage and timings")
-    return {
-        "ttft_s": (first or time.monotonic()) - started,
-        "completion_tokens": usage.completion_tokens,
-        "prompt_tokens": usage.prompt_tokens,
-        # Of the prompt, what the server evaluated and what it reused from the slot's state.
-        "prompt_evaluated": timings.get("prompt_n"),
-        "prompt_reused": timings.get("cache_n"),
-        "decode_tokens_per_s": timings.get("predicted_per_second"),
-        "seconds": time.monotonic() - started,
-        "text": "".join(text),
-    }
-
-
-def user(prompt: str) -> list[dict]:
-    return [{"role": "user", "content": prompt}]
-
-
-def decode_rate(api: Endpoint, requests_n: int = 3, max_tokens: int = 64) -> float:
-    """The release gate's short benchmark: the median decode rate (tokens/s, the server's own
-    timings) of requests_n single requests of max_tokens tokens each, one after another."""
-    import openai
-
-    client = api.openai(timeout=120, max_retries=0)
-    model = served_model(api)
-    rates = []
-    for request in range(requests_n):
-        prompt = f"Request {request}. Count upwards from one, separated by spaces:"
-        try:
-            done = one_request(client, model, user(prompt), max_tokens)
-        except openai.OpenAIError as exc:
-            raise BenchError(f"a measuring request failed: {type(exc).__name__}: {exc}") from None
-        if done["decode_tokens_per_s"]:
-            rates.append(done["decode_tokens_per_s"])
-    if not rates:
-        raise BenchError("the server reported no decode timing")
-    return statistics.median(rates)
-
-
 def percentile(values: list[float], share: float) -> float | None:
     if not values:
         return None
@@ -333,7 +258,7 @@ def request_errors() -> tuple[type[Exception], ...]:
     included: a worker that died on one would silently make fewer requests than reported."""
     import openai
 
-    return (openai.OpenAIError, requests.RequestException, ValueError, BenchError)
+    return (openai.OpenAIError, requests.RequestException, ValueError, probe.ProbeError)
 
 
 def side_by_side(work, count: int) -> float:
@@ -361,7 +286,7 @@ def sweep_level(
                 try:
                     request = offset + index * rounds + r
                     text = prompt_of(api, http, prompt, request)
-                    done = one_request(client, model, user(text), max_tokens)
+                    done = probe.one_request(client, model, probe.user(text), max_tokens)
                 except request_errors() as exc:
                     with lock:
                         failures.append(f"{type(exc).__name__}: {exc}"[:200])
@@ -424,7 +349,7 @@ def chat_level(
                 try:
                     text = prompt_of(api, http, user_tokens, 10**6 + index * 1000 + turn)
                     messages.append({"role": "user", "content": text})
-                    done = one_request(client, model, messages, max_tokens)
+                    done = probe.one_request(client, model, messages, max_tokens)
                 except request_errors() as exc:
                     with lock:
                         failures.append(f"turn {turn + 1}: {type(exc).__name__}: {exc}"[:200])
@@ -559,16 +484,6 @@ def native_flags(
     return flags, memory.as_dict() if memory else {}, values
 
 
-def served_model(api: Endpoint) -> str:
-    try:
-        with api.session() as http:
-            return http.get(f"{api.url}/v1/models", timeout=10).json()["data"][0]["id"]
-    except (requests.RequestException, ValueError, KeyError, IndexError) as exc:
-        raise BenchError(
-            f"no server answers at {api.url} ({exc}): deploy first (make up)"
-        ) from None
-
-
 def summary(result: dict) -> str:
     lines = [
         f"machine: {result['machine']['gpu']}; model {result['model']}; release {result['release']}"
@@ -632,19 +547,14 @@ def main(argv: list[str] | None = None) -> int:
         help="with --bin: settings (SLOTS, CONTEXT, SERVER_EXTRA...)",
     )
     args = ap.parse_intermixed_args(argv)
-    try:
+
+    def bench_and_report() -> int:
         result = run(args)
-    except (
-        BenchError,
-        config.ConfigError,
-        settings.SettingError,
-        credentials.CredentialError,
-    ) as exc:
-        print(f"bench: {exc}", file=sys.stderr)
-        return 1
-    print(summary(result))
-    levels = [*result["sweep"], *result.get("chat", [])]
-    return 0 if all(r["failures"] == 0 for r in levels) else 1
+        print(summary(result))
+        levels = [*result["sweep"], *result.get("chat", [])]
+        return 0 if all(r["failures"] == 0 for r in levels) else 1
+
+    return errors.run("bench", bench_and_report)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -676,7 +586,7 @@ def run(args: argparse.Namespace) -> dict:
         api = Endpoint.of(env)
         release = env["IMAGE_TAG"]
         model_name = env["MODEL_FILE"]
-        served_model(api)  # before minutes of engine benchmarks
+        probe.served_model(api)  # before minutes of engine benchmarks
     slots = int(flags.get("LLAMA_ARG_N_PARALLEL", "1"))
     result = {
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -720,7 +630,7 @@ def run(args: argparse.Namespace) -> dict:
             result["load_seconds"] = round(wait_healthy(api, proc, timeout=900), 1)
             result["memory"] = {"planned_mib": memory.get("used_mib"), **gpu_memory_used()}
         levels = sorted({1, slots, 2 * slots})
-        model = served_model(api)
+        model = probe.served_model(api)
         result["sweep"] = sweep(api, model, levels, args.rounds, args.prompt_tokens, args.tg)
         if args.chat_turns:
             result["chat"] = chat(
@@ -742,7 +652,7 @@ def run(args: argparse.Namespace) -> dict:
                 ],
             )
     out_json = args.out / f"{args.name}.json"
-    out_json.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    write_json(out_json, result, ensure_ascii=False)
     chart(result, args.out / f"{args.name}.png")
     log(f"wrote {out_json} and {args.out / (args.name + '.png')}")
     return result
@@ -811,7 +721,7 @@ def convert_main(argv: list[str] | None = None) -> int:
         "engine": manifest["engine"],
         "tools": manifest["tools"],
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(
         f"\n{args.layers} layers of {args.profile}: {gb:.2f} GB fp16 in, "
         f"{result['output_gb']:.2f} GB Q2_0 out, {os.cpu_count()} CPUs"

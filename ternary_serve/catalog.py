@@ -13,8 +13,9 @@ from pathlib import Path
 
 import yaml
 
+from ternary_serve.files import write_json
 from ternary_serve.versions import PROJECT_ROOT
-from ternary_serve.weights import ENGINES, WeightsError, engine_family, place
+from ternary_serve.weights import ENGINES, WeightsError, engine_family
 
 # The images carry the catalog elsewhere and say where in TERNARY_SERVE_CATALOG.
 CATALOG_FILE = Path(os.environ.get("TERNARY_SERVE_CATALOG", PROJECT_ROOT / "models.yaml"))
@@ -115,6 +116,4 @@ def pin_in_lock(path: Path, name: str, manifest: dict) -> None:
         "bytes": manifest["bytes"],
         "pinned_at": manifest["fetched_at"],
     }
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(lock, indent=2, sort_keys=True) + "\n")
-    place(tmp, path)
+    write_json(path, lock, sort_keys=True)

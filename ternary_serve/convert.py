@@ -27,13 +27,14 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
+from ternary_serve import errors
+from ternary_serve.files import place, write_json
 from ternary_serve.weights import (
     WeightsError,
     check_disk,
     engine_family,
     identify,
     manifest_path,
-    place,
     sha256_of,
     shape_from_config,
     verify,
@@ -302,9 +303,7 @@ def convert(
         "converted_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     manifest_file = manifest_path(output)
-    tmp = manifest_file.with_name(manifest_file.name + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    place(tmp, manifest_file)
+    write_json(manifest_file, manifest)
     print(
         f"convert: {output} in place: {qtype}, {manifest['bytes'] / 2**30:.2f} GiB, "
         f"sha256 {output_sha256}, {manifest['seconds']} s"
@@ -324,11 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--engine-dir", type=Path, default=ENGINE_DIR)
     args = ap.parse_args(argv)
-    try:
+
+    def convert_it() -> int:
         convert(
             args.source, args.output, args.type, args.backend, args.engine_dir, args.embeddings_type
         )
-    except WeightsError as exc:
-        print(f"convert: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        return 0
+
+    return errors.run("convert", convert_it)

@@ -13,7 +13,8 @@ import secrets
 import socket
 from pathlib import Path
 
-from ternary_serve import envfile
+from ternary_serve.errors import ServeError
+from ternary_serve.files import write_atomic
 
 SERVICE_UID = 10001  # the user every image runs as (docker/Dockerfile)
 API_KEY_FILE = "api-key"
@@ -22,7 +23,7 @@ KEY_BYTES = 32  # 256 bits
 CERT_DAYS = 825  # the longest validity browsers and most clients accept
 
 
-class CredentialError(Exception):
+class CredentialError(ServeError):
     """A secret that cannot be written where the containers read it; the message names the fix."""
 
 
@@ -30,7 +31,7 @@ def write_secret(path: Path, text: str, group: int | None = SERVICE_UID) -> None
     """Write text in one rename, mode 0640, group SERVICE_UID: root and the containers read it.
     group None: a file only its owner reads (0600), such as the fleet's copies on the controller."""
     try:
-        envfile.write_atomic(path, text, 0o600 if group is None else 0o640, group)
+        write_atomic(path, text, 0o600 if group is None else 0o640, group)
     except PermissionError:
         raise CredentialError(
             f"{path} must belong to group {SERVICE_UID} (the containers' user) to be read by "

@@ -7,9 +7,9 @@ files, and those are the lines all of them agree on). Comments and blank lines a
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
+
+from ternary_serve.files import write_atomic
 
 
 def parse(text: str, source: str = "<text>") -> dict[str, str]:
@@ -34,28 +34,6 @@ def render(pairs: dict[str, str], header: str = "") -> str:
         if not key.isidentifier() or "\n" in str(value):
             raise ValueError(f"cannot write {key}={value!r} as one KEY=value line")
     return header + "".join(f"{key}={value}\n" for key, value in pairs.items())
-
-
-def write_atomic(path: Path, text: str, mode: int = 0o600, group: int | None = None) -> bool:
-    """Replace path with text in one rename, with this mode (and group); returns False (and
-    leaves it alone) if unchanged."""
-    if path.is_file() and path.read_text() == text:
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, mode)
-        if group is not None:
-            os.fchown(fd, -1, group)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return True
 
 
 def write(path: Path, pairs: dict[str, str], header: str = "") -> bool:

@@ -26,6 +26,7 @@ from pathlib import Path
 import requests
 import urllib3
 
+from ternary_serve import errors
 from ternary_serve.catalog import (
     CATALOG_FILE,
     LOCK_NAME,
@@ -35,6 +36,7 @@ from ternary_serve.catalog import (
     pin_in_lock,
     read_lock,
 )
+from ternary_serve.files import place, write_json
 from ternary_serve.versions import ENV_FILE, configured_engine_repo
 from ternary_serve.weights import (
     CHUNK,
@@ -42,7 +44,6 @@ from ternary_serve.weights import (
     check_disk,
     engine_family,
     manifest_path,
-    place,
     sha256_of,
     verify,
 )
@@ -175,9 +176,7 @@ def write_manifest(
         "fetched_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     manifest_file = manifest_path(target)
-    tmp = manifest_file.with_name(manifest_file.name + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    place(tmp, manifest_file)
+    write_json(manifest_file, manifest)
     return manifest
 
 
@@ -356,18 +355,18 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def run_reporting(action, source: str, command: str = "fetch") -> int:
-    try:
-        action()
-    except WeightsError as exc:
-        print(f"{command}: {exc}", file=sys.stderr)
-        return 1
-    except requests.RequestException as exc:
-        print(
-            f"{command}: {source}: {exc}: the partial download is kept; run again to resume",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    """action's outcome as the command's exit status; a transfer that broke off is resumable."""
+
+    def job() -> int:
+        try:
+            action()
+        except requests.RequestException as exc:
+            raise WeightsError(
+                f"{source}: {exc}: the partial download is kept; run again to resume"
+            ) from exc
+        return 0
+
+    return errors.run(command, job)
 
 
 def main(argv: list[str] | None = None) -> int:

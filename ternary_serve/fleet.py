@@ -23,12 +23,11 @@ import argparse
 import ipaddress
 import json
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ternary_serve import config, credentials, envfile, settings
-from ternary_serve.settings import SettingError
+from ternary_serve import config, credentials, errors, settings
+from ternary_serve.files import write_atomic
 
 HAPROXY_CONFIG = "haproxy.cfg"
 TLS_FILE = "gateway.pem"
@@ -39,7 +38,7 @@ METRICS_PORT = 8405
 SERVER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
-class FleetError(Exception):
+class FleetError(errors.ServeError):
     """An inventory or setting the fleet's gateway cannot be rendered from; names the fix."""
 
 
@@ -116,26 +115,20 @@ def render(values: dict[str, str], servers: list[config.Backend], host: GatewayH
 
 def gateway(out: Path, replicas: list[dict], host: GatewayHost, given: dict[str, str]) -> bool:
     """Write the gateway's files into out; True when any of them changed."""
-    try:
-        values = settings.resolve({}, given)
-    except SettingError as exc:
-        raise FleetError(str(exc)) from None
+    values = settings.resolve({}, given)
     files = render(values, backends(replicas), host)
     changed = False
     for name, text in files.items():
-        changed |= envfile.write_atomic(out / name, text, 0o644)
-    try:
-        # A controller-side copy, readable by its owner only; the role sets owners on the host.
-        changed |= credentials.ensure_tls(
-            out / TLS_FILE,
-            values["TLS_CERT"],
-            values["TLS_KEY"],
-            host.address,
-            names=["localhost"],
-            group=None,
-        )
-    except credentials.CredentialError as exc:
-        raise FleetError(str(exc)) from None
+        changed |= write_atomic(out / name, text, 0o644)
+    # A controller-side copy, readable by its owner only; the role sets owners on the host.
+    changed |= credentials.ensure_tls(
+        out / TLS_FILE,
+        values["TLS_CERT"],
+        values["TLS_KEY"],
+        host.address,
+        names=["localhost"],
+        group=None,
+    )
     return changed
 
 
@@ -154,26 +147,24 @@ def main(argv: list[str] | None = None) -> int:
     gw.add_argument("--stats-socket", required=True, help="the runtime API's socket there")
     gw.add_argument("--api-key-file", required=True, help="the scrape's key file there")
     args = ap.parse_args(argv)
+    return errors.run("fleet", lambda: act(args))
+
+
+def act(args: argparse.Namespace) -> int:
     if args.action == "key":
         path = args.out / credentials.API_KEY_FILE
-        try:
-            changed = credentials.ensure_api_key(path, group=None)
-        except credentials.CredentialError as exc:
-            print(f"fleet: {exc}", file=sys.stderr)
-            return 1
+        changed = credentials.ensure_api_key(path, group=None)
         print(f"fleet: {'generated' if changed else 'unchanged'}: {path}")
         return 0
-    try:
-        replicas = json.loads(args.replicas.read_text())
-        host = GatewayHost(
-            args.address, args.port, args.tls_file, args.stats_socket, args.api_key_file
-        )
-        changed = gateway(args.out, replicas, host, settings.parse_assignments(args.assignments))
-    except (OSError, ValueError) as exc:
-        print(f"fleet: cannot read the replicas ({exc})", file=sys.stderr)
-        return 1
-    except (FleetError, SettingError) as exc:
-        print(f"fleet: {exc}", file=sys.stderr)
-        return 1
+    replicas = read_replicas(args.replicas)
+    host = GatewayHost(args.address, args.port, args.tls_file, args.stats_socket, args.api_key_file)
+    changed = gateway(args.out, replicas, host, settings.parse_assignments(args.assignments))
     print(f"fleet: {'written' if changed else 'unchanged'}: {args.out} ({len(replicas)} replicas)")
     return 0
+
+
+def read_replicas(path: Path) -> list[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise FleetError(f"cannot read the replicas ({exc})") from None

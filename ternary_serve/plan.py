@@ -19,14 +19,12 @@ from the same plan.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import subprocess
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ternary_serve import weights
+from ternary_serve import errors, gpu, weights
+from ternary_serve.files import write_json
 
 MIB = 2**20
 MAX_SLOTS = 16  # aggregate decode keeps rising to 16 streams on an H200 (docs/bench.md)
@@ -40,7 +38,7 @@ HEADROOM_SHARE = 0.05
 RECURRENT_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 
 
-class PlanError(Exception):
+class PlanError(errors.ServeError):
     """A plan that cannot fit or cannot be made; the message names what would fit."""
 
 
@@ -299,24 +297,14 @@ def make(
 
 
 def gpu_memory(index: int) -> tuple[int, str]:
-    """Total memory of GPU index (MiB) and its name, from nvidia-smi."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "-i", str(index), "--query-gpu=name,memory.total",
-             "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
-    except (FileNotFoundError, subprocess.TimeoutExpired):
-        out = None
-    if out is None or out.returncode != 0 or not out.stdout.strip():
-        detail = out.stderr.strip() if out is not None else "nvidia-smi not found"
+    """Total memory of GPU index (MiB) and its name."""
+    gpus, why = gpu.query(index)
+    if not gpus:
         raise PlanError(
-            f"cannot read GPU {index}'s memory ({detail or 'no such GPU'}): install the NVIDIA "
-            "driver (the nvidia_driver role), pick another GPU, or set VRAM_MIB to plan for a "
-            "card elsewhere"
+            f"cannot read GPU {index}'s memory ({why}): install the NVIDIA driver (the "
+            "nvidia_driver role), pick another GPU, or set VRAM_MIB to plan for a card elsewhere"
         )
-    name, total = out.stdout.strip().splitlines()[0].rsplit(",", 1)
-    return int(total), f"GPU {index}: {name.strip()}"
+    return gpus[0].total_mib, f"GPU {index}: {gpus[0].name}"
 
 
 def host_memory() -> tuple[int, str]:
@@ -364,15 +352,15 @@ def main(argv: list[str] | None = None) -> int:
         help="settings to plan with (CONTEXT, SLOTS, KV_TYPE, BACKEND, GPU, UBATCH...)",
     )  # fmt: skip
     args = ap.parse_intermixed_args(argv)
-    try:
+
+    def plan_and_report() -> int:
         given = settings.parse_assignments(args.assignments)
         if args.vram_mib:
             given["VRAM_MIB"] = args.vram_mib
         memory = for_settings(settings.resolve({}, given), args.model)
-    except (PlanError, settings.SettingError) as exc:
-        print(f"plan: {exc}", file=sys.stderr)
-        return 1
-    print(memory.table())
-    if args.json:
-        args.json.write_text(json.dumps(memory.as_dict(), indent=2) + "\n")
-    return 0
+        print(memory.table())
+        if args.json:
+            write_json(args.json, memory.as_dict())
+        return 0
+
+    return errors.run("plan", plan_and_report)

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -26,7 +25,7 @@ import docker
 import docker.errors
 import requests
 
-from ternary_serve import bench, client, config, credentials, envfile, settings
+from ternary_serve import client, config, credentials, envfile, errors, probe, settings
 from ternary_serve.versions import PROJECT_ROOT
 
 HISTORY_FILE = "releases.jsonl"
@@ -38,7 +37,7 @@ COMPOSE_PREFIX = re.compile(r"^[\w.-]+\s+\| ")
 HALF_RECREATED = re.compile(r"^[0-9a-f]{12}_")
 
 
-class ReleaseError(Exception):
+class ReleaseError(errors.ServeError):
     """A deploy step that failed or was refused; the message says what and what to do."""
 
 
@@ -360,8 +359,8 @@ def decode_gate(
     """The live server's decode rate, and what is wrong with it (None: nothing): under gate % of
     the baseline release's recorded rate, or not measurable."""
     try:
-        rate = bench.decode_rate(client.Endpoint.of(env))
-    except (bench.BenchError, requests.RequestException) as exc:
+        rate = probe.decode_rate(client.Endpoint.of(env))
+    except (probe.ProbeError, requests.RequestException) as exc:
         return None, f"decode benchmark failed: {exc}"
     if baseline is None:
         print(f"decode gate: {rate:.1f} tokens/s (no earlier rate here to compare)", flush=True)
@@ -395,7 +394,7 @@ def deploy(
     with deploy_lock(project):
         try:
             config.check_port(values)  # inside the lock: no other deploy is moving the port
-        except config.ConfigError as exc:
+        except errors.ServeError as exc:
             raise ReleaseError(f"{event} of {tag} refused before any change: {exc}") from None
         history = read_history(project)
         if history and history[-1].get("status") == "started":
@@ -423,7 +422,7 @@ def deploy(
         # gateway's configuration and the memory limits with it.
         try:
             files, derived, memory = config.planned(values)
-        except config.ConfigError as exc:
+        except errors.ServeError as exc:
             append_history(project, tag=tag, status="refused", event=event, detail=str(exc))
             live = f"{fallback} is still live" if fallback else "nothing was live"
             raise ReleaseError(
@@ -521,7 +520,7 @@ def rotate_key(project: Project, wait_timeout: int = WAIT_TIMEOUT_S) -> str:
     try:
         credentials.write_secret(key_file, credentials.new_api_key() + "\n")
         return deploy(project, live, wait_timeout, event="rotate-key", recreate=True)
-    except (ReleaseError, credentials.CredentialError) as exc:
+    except errors.ServeError as exc:
         credentials.write_secret(key_file, old)
         again = bring_up(project, live, wait_timeout, recreate=True)
         state = f"{live} is live with the old key" if again is None else f"and then: {again}"
@@ -618,26 +617,25 @@ def main(argv: list[str] | None = None) -> int:
     bundle_args.add_argument("tag", nargs="?", help="image tag (default: the one in the env file)")
     bundle_args.add_argument("--out", type=Path, help="default: build/ternary-serve-images-TAG.tar")
     args = ap.parse_args(argv)
-    project = Project(args.env_file, args.state_dir)
+    return errors.run("release", lambda: act(args, Project(args.env_file, args.state_dir)))
+
+
+def act(args: argparse.Namespace, project: Project) -> int:
     started = time.monotonic()
-    try:
-        if args.action == "list":
-            print(format_history(read_history(project), running(project.env())))
-            return 0
-        if args.action == "bundle":
-            tag = args.tag or project.env()["IMAGE_TAG"]
-            print(bundle(project.env(), tag, args.out or bundle_path(tag)))
-            return 0
-        options = {"wait_timeout": args.wait_timeout, "keep": args.keep}
-        if args.action == "deploy":
-            print(deploy(project, args.tag or project.env()["IMAGE_TAG"], **options))
-        elif args.action == "rotate-key":
-            print(rotate_key(project, args.wait_timeout))
-        else:
-            print(rollback(project, args.tag, **options))
-        print(f"release: {endpoint(project.env())}")
-    except ReleaseError as exc:
-        print(f"release: {exc}", file=sys.stderr)
-        return 1
+    if args.action == "list":
+        print(format_history(read_history(project), running(project.env())))
+        return 0
+    if args.action == "bundle":
+        tag = args.tag or project.env()["IMAGE_TAG"]
+        print(bundle(project.env(), tag, args.out or bundle_path(tag)))
+        return 0
+    options = {"wait_timeout": args.wait_timeout, "keep": args.keep}
+    if args.action == "deploy":
+        print(deploy(project, args.tag or project.env()["IMAGE_TAG"], **options))
+    elif args.action == "rotate-key":
+        print(rotate_key(project, args.wait_timeout))
+    else:
+        print(rollback(project, args.tag, **options))
+    print(f"release: {endpoint(project.env())}")
     print(f"release: done in {time.monotonic() - started:.0f} s")
     return 0

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ternary_serve import envfile
+from ternary_serve import envfile, errors
 from ternary_serve.versions import PROJECT_ROOT
 
 SETTINGS_FILE = "settings.env"
@@ -49,7 +49,7 @@ WORKLOADS = {
 }
 
 
-class SettingError(Exception):
+class SettingError(errors.ServeError):
     """A setting's value that cannot work; the message names the setting and what it accepts."""
 
 
@@ -360,38 +360,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--env-file", type=Path, default=PROJECT_ROOT / ".env")
     ap.add_argument("--page", action="store_true", help=f"print {SETTINGS_PAGE.name}'s text")
     args = ap.parse_args(argv)
+    return errors.run("settings", lambda: act(args))
+
+
+def act(args: argparse.Namespace) -> int:
     if args.page:
         sys.stdout.write(page())
-        return 0
-    if args.check is not None:
-        try:
-            resolve({}, parse_assignments(args.check))
-        except SettingError as exc:
-            print(f"settings: {exc}", file=sys.stderr)
-            return 1
-        return 0
-    if args.names:
+    elif args.check is not None:
+        resolve({}, parse_assignments(args.check))
+    elif args.names:
         print(" ".join(SETTINGS))
-        return 0
-    if args.get:
+    elif args.get:
         if args.get not in SETTINGS:
-            print(f"settings: {unknown(args.get)}", file=sys.stderr)
-            return 1
+            raise SettingError(unknown(args.get))
         print(configured(args.env_file)[args.get])
-        return 0
-    path = settings_file(args.env_file)
+    else:
+        print(table(settings_file(args.env_file)))
+    return 0
+
+
+def table(path: Path) -> str:
+    """Every setting as settings.env at path configures it, marked where it is set there."""
     stored = envfile.read(path) if path.is_file() else {}
     try:
         values = resolve(stored, {})
     except SettingError as exc:
-        print(f"settings: {path}: {exc}", file=sys.stderr)
-        return 1
+        raise SettingError(f"{path}: {exc}") from None
     width = max(map(len, SETTINGS))
-    for name, setting in SETTINGS.items():
-        mark = "*" if name in stored else " "
-        print(f"{mark} {name:<{width}}  {values[name] or '(empty)':<24}  {setting.help}")
-    print(f"\n* set in {path}; the others are defaults. Change: make config NAME=value")
-    return 0
+    lines = [
+        f"{'*' if name in stored else ' '} {name:<{width}}  {values[name] or '(empty)':<24}  "
+        f"{setting.help}"
+        for name, setting in SETTINGS.items()
+    ]
+    lines.append(f"\n* set in {path}; the others are defaults. Change: make config NAME=value")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import requests
 
-from ternary_serve import credentials
+from ternary_serve import credentials, errors
 from ternary_serve.catalog import CATALOG_FILE, Catalog, Question, load_catalog
+from ternary_serve.files import write_json
 
 # The gate for models the catalog does not name (a URL, a local file): most serve chat models.
 DEFAULT_GATE = "chat"
@@ -30,7 +30,7 @@ PROMPTS = {
 }
 
 
-class SmokeFailure(Exception):
+class SmokeFailure(errors.ServeError):
     """One failed check; the message names the check and what came back."""
 
 
@@ -290,15 +290,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--catalog", type=Path, default=CATALOG_FILE)
     args = ap.parse_args(argv)
-    try:
+
+    def smoke_and_report() -> int:
         gate = choose_gate(args.quality_gate, args.model, load_catalog(args.catalog))
         api_key = credentials.read_api_key(args.api_key_file) if args.api_key_file else None
         report = run(args.url, args.max_tokens, args.ignore_eos, args.timeout, gate, api_key)
-    except (SmokeFailure, credentials.CredentialError) as exc:
-        print(f"smoke: FAIL: {exc}", file=sys.stderr)
-        return 1
-    print(format_report(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-    print("smoke: PASS")
-    return 0
+        print(format_report(report))
+        if args.json:
+            write_json(args.json, report)
+        print("smoke: PASS")
+        return 0
+
+    # "FAIL" is what a reader of the sidecar's log (and the release's last line) looks for.
+    return errors.run("smoke: FAIL", smoke_and_report)

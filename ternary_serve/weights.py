@@ -13,10 +13,10 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ternary_serve import errors
 from ternary_serve.versions import configured_engine_repo
 
 GGUF_MAGIC = b"GGUF"
@@ -63,7 +63,7 @@ def engine_family(engine_repo: str) -> str:
     return "prismml" if "prismml" in engine_repo.lower() else "mainline"
 
 
-class WeightsError(Exception):
+class WeightsError(errors.ServeError):
     """A model file the stack must not serve; the message says what to do."""
 
 
@@ -82,16 +82,6 @@ def check_disk(directory: Path, needed: int) -> None:
             f"{directory} has {free / 2**30:.1f} GiB free, the download needs "
             f"{(needed + DISK_MARGIN) / 2**30:.1f} GiB: free space there or set MODEL_DIR elsewhere"
         )
-
-
-def place(partial: Path, target: Path) -> None:
-    """Rename into place and make the rename durable."""
-    os.replace(partial, target)
-    fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def manifest_path(target: Path) -> Path:
@@ -355,15 +345,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     expect = {"architecture": args.architecture} if args.architecture else {}
     engine = engine_family(args.engine_repo or configured_engine_repo())
-    try:
-        if args.config:
-            expect |= shape_from_config(args.config)
-        summary = verify(args.model, args.backend, expect, engine)
-    except WeightsError as exc:
-        print(f"verify: {exc}", file=sys.stderr)
-        return 1
-    print(
-        f"verify: ok: {summary['path']}: {summary['architecture']}, {summary['tensors']} tensors "
-        f"({', '.join(summary['tensor_types'])}), {summary['bytes'] / 2**30:.2f} GiB"
-    )
-    return 0
+
+    def verify_and_report() -> int:
+        wanted = expect | shape_from_config(args.config) if args.config else expect
+        summary = verify(args.model, args.backend, wanted, engine)
+        print(
+            f"verify: ok: {summary['path']}: {summary['architecture']}, {summary['tensors']} "
+            f"tensors ({', '.join(summary['tensor_types'])}), {summary['bytes'] / 2**30:.2f} GiB"
+        )
+        return 0
+
+    return errors.run("verify", verify_and_report)

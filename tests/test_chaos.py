@@ -28,7 +28,7 @@ import openai
 import pytest
 from harness import deployed, readable_by_containers
 
-from ternary_serve import bench, synthetic
+from ternary_serve import bench, probe, synthetic
 from ternary_serve.client import Endpoint
 from ternary_serve.fetch import main as fetch_main
 from ternary_serve.versions import PROJECT_ROOT
@@ -187,7 +187,7 @@ def test_32_clients_x_5_streaming_requests_through_the_gateway(stack):
     usage), at 32 clients x 5 requests: eight clients a slot, so the gateway and the server queue
     them. (More requests per client prove nothing more and cost the run minutes.)"""
     api = Endpoint.of(stack.env_now())
-    model = bench.served_model(api)
+    model = probe.served_model(api)
     row = bench.sweep_level(api, model, 32, 5, prompt=16, max_tokens=8, offset=0)
     record(
         "concurrency: 32 clients x 5 streaming requests",

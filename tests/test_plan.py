@@ -139,3 +139,36 @@ def test_plan_command_prints_the_table(tiny_model, capsys, tmp_path):
     for row in ("weights", "KV cache (f16, 16 x 8192 tokens)", "recurrent state", "compute"):
         assert row in table
     assert '"slots": 16' in out.read_text()
+
+
+def stand_in_nvidia_smi(tmp_path, monkeypatch, script: str) -> None:
+    """STAND-IN for nvidia-smi (no GPU here): a script on PATH printing what the real one prints
+    for `--format=csv,noheader,nounits` (a 4090 on driver 580), or failing the way it fails
+    without a driver. That the real tool prints these columns is seen only on a GPU box."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    tool = bin_dir / "nvidia-smi"
+    tool.write_text(f"#!/bin/sh\n{script}\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+
+
+def test_the_plan_sizes_the_server_by_the_card_nvidia_smi_reports(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
+    stand_in_nvidia_smi(
+        tmp_path, monkeypatch, 'echo "0, NVIDIA GeForce RTX 4090, 580.142, 24564, 1"'
+    )
+    memory = plan.for_settings(settings.resolve({}, {"BACKEND": "cuda"}), tiny_model)
+    assert (memory.memory_mib, memory.memory) == (24564, "GPU 0: NVIDIA GeForce RTX 4090")
+    stand_in_nvidia_smi(
+        tmp_path / "no-driver",
+        monkeypatch,
+        "echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver.'"
+        "; exit 9",
+    )
+    assert plan.main([str(tiny_model), "BACKEND=cuda"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("plan: cannot read GPU 0's memory (NVIDIA-SMI has failed because")
+    assert "the nvidia_driver role" in err and "VRAM_MIB" in err

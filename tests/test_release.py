@@ -25,7 +25,7 @@ import docker
 import pytest
 from harness import configure, release_whose_server_is
 
-from ternary_serve import config, release
+from ternary_serve import errors, release
 from ternary_serve.versions import PROJECT_ROOT
 from ternary_serve.weights import SYNTHETIC_MARKER
 
@@ -157,7 +157,7 @@ def test_bad_model_config_is_refused_and_the_live_release_keeps_serving(
     truncated.write_bytes(tiny_model.read_bytes()[:50_000])
     truncated.chmod(0o644)
     env_before = proj.env_file.read_bytes()
-    with pytest.raises(config.ConfigError, match="truncated.gguf is truncated or corrupt"):
+    with pytest.raises(errors.ServeError, match="truncated.gguf is truncated or corrupt"):
         configure(stack.workdir, truncated, stack.name, PUBLISH_PORT=stack.env["PUBLISH_PORT"])
     assert proj.env_file.read_bytes() == env_before
     # Configured while the file was still arriving, then found damaged by the deploy.
