@@ -411,6 +411,11 @@ def answer(args: argparse.Namespace) -> int:
         else:
             values = settings.resolve({}, settings.parse_assignments(args.assignments))
             result = model_size(values, catalog.load_catalog())
+            if result["bytes"] is None:
+                raise SettingError(
+                    f"MODEL_SOURCE={values['MODEL_SOURCE']}: no size known (models.yaml gives "
+                    "bytes for no model): give the model's size yourself"
+                )
     except (SettingError, WeightsError) as exc:
         print(f"config: {exc}", file=sys.stderr)
         return 1

@@ -286,16 +286,14 @@ def test_the_collection_pins_are_the_versions_the_tests_run():
 
 
 def test_the_roles_setting_defaults_are_the_settings_modules():
-    """The llm_stack role needs a few settings before the project is on the host (the GPU check,
-    what the tarball carries, the replicas' ports and names): its fallbacks must be the defaults
-    ternary_serve/settings.py declares."""
-    text = (ANSIBLE_DIR / "roles/llm_stack/vars/main.yml").read_text()
+    """The llm_stack role needs two settings before the project is on the host (the GPU check,
+    what the tarball carries): its fallbacks must be the defaults ternary_serve/settings.py
+    declares. The replicas' ports and names are the CLI's (`ternary-serve fleet replicas`)."""
+    text = "".join(
+        path.read_text() for path in sorted((ANSIBLE_DIR / "roles/llm_stack").rglob("*.yml"))
+    )
     fallbacks = dict(re.findall(r"llm_stack_settings\.(\w+) \| default\('?([^')]+)'?\)", text))
-    assert set(fallbacks) == {
-        "BACKEND", "ENGINE_SOURCE", "PUBLISH_PORT", "PROJECT_NAME", "PUBLISH_ADDRESS"
-    }  # fmt: skip
-    # PUBLISH_ADDRESS falls back to every address only in a fleet, where the gateway must reach it.
-    assert fallbacks.pop("PUBLISH_ADDRESS") == "0.0.0.0"
+    assert set(fallbacks) == {"BACKEND", "ENGINE_SOURCE"}
     assert fallbacks == {name: settings.SETTINGS[name].default for name in fallbacks}
 
 

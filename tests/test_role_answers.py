@@ -263,6 +263,13 @@ def test_a_source_the_catalog_does_not_size_counts_as_its_largest_model():
     assert config.model_size(settings.resolve({}, {}), catalog.Catalog())["bytes"] is None
 
 
+def test_no_size_at_all_is_refused_rather_than_guessed(capsys, monkeypatch):
+    monkeypatch.setattr(catalog, "load_catalog", catalog.Catalog)
+    code, size = ask(capsys, "config", "--model-size", "MODEL_SOURCE=https://example.org/m.gguf")
+    assert code == 1 and size is None
+    assert "no size known" in ERRORS[-1]
+
+
 def test_a_wrong_setting_gets_no_model_size(capsys):
     code, size = ask(capsys, "config", "--model-size", "CONTXT=1")
     assert code == 1 and size is None
