@@ -31,7 +31,7 @@ import docker
 import docker.errors
 import jinja2
 
-from ternary_serve import credentials, envfile, errors, plan, settings
+from ternary_serve import catalog, credentials, envfile, errors, plan, settings
 from ternary_serve.files import write_atomic
 from ternary_serve.versions import PROJECT_ROOT, load_versions
 
@@ -79,9 +79,9 @@ def image_tag(
     return TAG_UNSAFE.sub("-", "-".join(parts))[:128]
 
 
-def project_revision() -> str:
+def project_revision(root: Path = PROJECT_ROOT) -> str:
     """Short commit of this checkout, with -dirty when tracked files differ from it."""
-    git = ["git", "-C", str(PROJECT_ROOT)]
+    git = ["git", "-C", str(root)]
     head = subprocess.run([*git, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True)
     if head.returncode != 0:
         return "unknown"
@@ -376,6 +376,39 @@ def configure(
     return env, memory
 
 
+def model_size(values: dict[str, str], models: catalog.Catalog) -> dict:
+    """What the disk must hold for the model of these settings: the catalog's size of
+    MODEL_SOURCE where it is a models.yaml name with one; else (a URL, a path, no source) the
+    largest model the catalog sizes, since the file is not known before it is fetched."""
+    source = values["MODEL_SOURCE"]
+    entry = models.models.get(source)
+    if entry is not None and entry.size_bytes:
+        return {"model_source": source, "bytes": entry.size_bytes, "from": "catalog"}
+    sizes = [e.size_bytes for e in models.models.values() if e.size_bytes]
+    return {
+        "model_source": source,
+        "bytes": max(sizes) if sizes else None,
+        "from": "the catalog's largest model" if sizes else "nothing: the catalog sizes none",
+    }
+
+
+def answer(args: argparse.Namespace) -> int:
+    """The JSON answers Ansible asks for instead of computing them itself: the checkout's
+    revision (--revision) and the model's size for the disk check (--model-size)."""
+    if args.revision:
+        result = {"revision": project_revision(args.project_dir)}
+    else:
+        values = settings.resolve({}, settings.parse_assignments(args.assignments))
+        result = model_size(values, catalog.load_catalog())
+        if result["bytes"] is None:
+            raise ConfigError(
+                f"MODEL_SOURCE={values['MODEL_SOURCE']}: no size known (models.yaml gives "
+                "bytes for no model): give the model's size yourself"
+            )
+    print(json.dumps(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="ternary-serve config",
@@ -399,7 +432,22 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="serve with this API key (a fleet's: `ternary-serve fleet key`), not a new one",
     )
+    ap.add_argument(
+        "--revision",
+        action="store_true",
+        help="print the checkout's revision (the image tag's commit) as JSON, no change",
+    )
+    ap.add_argument(
+        "--project-dir", type=Path, default=PROJECT_ROOT, help="the checkout --revision reads"
+    )
+    ap.add_argument(
+        "--model-size",
+        action="store_true",
+        help="print the size of the given settings' model (MODEL_SOURCE) as JSON, no change",
+    )
     args = ap.parse_args(argv)
+    if args.revision or args.model_size:
+        return errors.run("config", lambda: answer(args))
     if args.show:
         print(json.dumps(envfile.read(args.env_file) if args.env_file.is_file() else {}))
         return 0

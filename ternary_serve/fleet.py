@@ -15,6 +15,12 @@ gateway host gets (the llm_gateway role copies it there; the PATHs are where it 
 FILE is JSON: [{"name": "gpu-box-1-gpu0", "address": "10.0.0.11", "port": 8080, "slots": 4}, ...]
 (the role writes it from the inventory). The settings are the stack's (`ternary-serve settings`).
 Every file is written in one rename, and only when it changes.
+
+`ternary-serve fleet replicas --host NAME --dir DIR --gpu-count N [--gpus N ...] [--fleet]
+[--manifest --address ADDR] [NAME=value ...]` prints, as JSON, a serving host's replicas (one
+per GPU) as the llm_stack role deploys them: name, directory, env file, state directory, Compose
+project, port and settings of each. With --manifest, what replicas.json holds for the gateway and
+the rollouts: name, address, port, planned slots (from each replica's .env), project, files.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ternary_serve import config, credentials, errors, settings
+from ternary_serve import config, credentials, envfile, errors, settings
 from ternary_serve.files import write_atomic
 
 HAPROXY_CONFIG = "haproxy.cfg"
@@ -132,6 +138,113 @@ def gateway(out: Path, replicas: list[dict], host: GatewayHost, given: dict[str,
     return changed
 
 
+def replica_gpus(backend: str, gpu_count: int, asked: list[int] | None) -> list[int]:
+    """The GPUs that get a replica: those asked for, else every GPU found; one on a cpu stack."""
+    if asked:
+        if len(set(asked)) < len(asked):
+            raise FleetError(f"llm_stack_gpus {asked}: each GPU once")
+        missing = [gpu for gpu in asked if backend == "cuda" and not 0 <= gpu < gpu_count]
+        if missing:
+            raise FleetError(
+                f"llm_stack_gpus asks for GPU {', '.join(map(str, missing))}; this host has "
+                f"{gpu_count} (nvidia-smi index 0 to {gpu_count - 1})"
+            )
+        return asked
+    if backend == "cpu":
+        return [0]
+    if gpu_count < 1:
+        raise FleetError("no NVIDIA GPU visible: run the nvidia_driver role and reboot")
+    return list(range(gpu_count))
+
+
+def replicas(
+    host: str,
+    base_dir: Path,
+    given: dict[str, str],
+    gpu_count: int,
+    gpus: list[int] | None = None,
+    fleet: bool = False,
+) -> list[dict]:
+    """A serving host's replicas, one per GPU: the first keeps the checkout's own .env, state/
+    and Compose project (`make` on the host works on it), the others live in replicas/gpuN/
+    under a project of their own; ports count up from PUBLISH_PORT. In a fleet each serves
+    without a gateway of its own, on an address the fleet's gateway reaches."""
+    values = settings.resolve({}, given)
+    port, project = int(values["PUBLISH_PORT"]), values["PROJECT_NAME"]
+    fleet_settings = {"GATEWAY": "off", "PUBLISH_ADDRESS": given.get("PUBLISH_ADDRESS", "0.0.0.0")}
+    found = []
+    for index, gpu in enumerate(replica_gpus(values["BACKEND"], gpu_count, gpus)):
+        first = index == 0
+        directory = base_dir if first else base_dir / "replicas" / f"gpu{gpu}"
+        name = project if first else f"{project}-gpu{gpu}"
+        if port + index > 65535:
+            raise FleetError(
+                f"PUBLISH_PORT={port}: replica {index + 1} would need port {port + index}"
+            )
+        found.append(
+            {
+                "name": f"{host}-gpu{gpu}",
+                "dir": str(directory),
+                "env_file": str(directory / ".env"),
+                "state_dir": str(directory / "state"),
+                "project": name,
+                "port": port + index,
+                "settings": {
+                    **given,
+                    "GPU": str(gpu),
+                    "PUBLISH_PORT": str(port + index),
+                    "PROJECT_NAME": name,
+                    **(fleet_settings if fleet else {}),
+                },
+            }
+        )
+    return found
+
+
+def manifest(found: list[dict], address: str) -> list[dict]:
+    """replicas.json: what the fleet's gateway and a rollout know of the replicas, with the
+    slots each one's memory plan gave it (empty while it has not planned)."""
+    rows = []
+    for replica in found:
+        env_file = Path(replica["env_file"])
+        env = envfile.read(env_file) if env_file.is_file() else {}
+        rows.append(
+            {
+                "name": replica["name"],
+                "address": address,
+                "port": replica["port"],
+                "slots": env.get("SERVER_SLOTS", ""),
+                "project": replica["project"],
+                "env_file": replica["env_file"],
+                "state_dir": replica["state_dir"],
+            }
+        )
+    return rows
+
+
+def replicas_main(args: argparse.Namespace) -> int:
+    given = settings.parse_assignments(args.assignments)
+    found = replicas(args.host, args.dir, given, args.gpu_count, args.gpus, args.fleet)
+    if args.manifest:
+        if not args.address:
+            raise FleetError("--manifest needs --address (where the gateway reaches the host)")
+        found = manifest(found, args.address)
+    print(json.dumps(found))
+    return 0
+
+
+def add_replicas(sub) -> None:
+    rep = sub.add_parser("replicas", help="a serving host's replicas, one per GPU, as JSON")
+    rep.add_argument("assignments", nargs="*", metavar="NAME=value", help="the stack's settings")
+    rep.add_argument("--host", required=True, help="the host's inventory name")
+    rep.add_argument("--dir", type=Path, required=True, help="the project's directory there")
+    rep.add_argument("--gpu-count", type=int, default=0, help="GPUs nvidia-smi lists there")
+    rep.add_argument("--gpus", type=int, nargs="*", help="GPU indices (default: every GPU)")
+    rep.add_argument("--fleet", action="store_true", help="behind a fleet's gateway")
+    rep.add_argument("--manifest", action="store_true", help="replicas.json, with planned slots")
+    rep.add_argument("--address", help="where the fleet's gateway reaches the host (--manifest)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ternary-serve fleet", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="action", required=True)
@@ -146,11 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     gw.add_argument("--tls-file", required=True, help="the certificate's path on the gateway")
     gw.add_argument("--stats-socket", required=True, help="the runtime API's socket there")
     gw.add_argument("--api-key-file", required=True, help="the scrape's key file there")
+    add_replicas(sub)
     args = ap.parse_args(argv)
     return errors.run("fleet", lambda: act(args))
 
 
 def act(args: argparse.Namespace) -> int:
+    if args.action == "replicas":
+        return replicas_main(args)
     if args.action == "key":
         path = args.out / credentials.API_KEY_FILE
         changed = credentials.ensure_api_key(path, group=None)

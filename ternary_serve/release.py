@@ -16,6 +16,7 @@ import json
 import os
 import re
 import subprocess
+import tarfile
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -152,7 +153,7 @@ def bundle(env: dict[str, str], tag: str, out: Path) -> str:
     that has no registry, or should not build (a second box, an offline one)."""
     engine = docker.from_env()
     require_images(engine, env, tag)
-    names = [f"{repo}:{tag}" for repo in release_images(env)]
+    names = tagged_images(env, tag)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     print(f"release: saving {len(names)} images of {tag} to {out} (a few GB)", flush=True)
@@ -592,6 +593,76 @@ def format_history(history: list[dict], now: dict | None) -> str:
     return f"{table}\n\nrunning now: {status}"
 
 
+# --- answers for Ansible --------------------------------------------------------------------------
+# What the roles and playbooks ask instead of parsing the project's files themselves.
+
+ANSWERS = ("history", "images", "bundle-images")
+IMAGE_ID = re.compile(r"[0-9a-f]{64}")
+
+
+def history_answer(history: list[dict]) -> dict:
+    """The history as read_history has it (a line cut by a crash skipped), with what is live and
+    what was good before."""
+    return {"live": current_live(history), "previous": previous_good(history), "records": history}
+
+
+def tagged_images(env: dict[str, str], tag: str) -> list[str]:
+    """repository:tag of every image one release spans."""
+    return [f"{repo}:{tag}" for repo in release_images(env)]
+
+
+def bundle_images(path: Path) -> dict[str, str]:
+    """The images a `docker save` archive holds: first tag -> image ID (sha256:...), from its
+    manifest.json (Config names the image's config blob: `<id>.json`, or `blobs/sha256/<id>`)."""
+    try:
+        with tarfile.open(path) as archive:
+            member = archive.extractfile("manifest.json")
+            manifest = json.loads(member.read()) if member else None
+    except (OSError, KeyError, tarfile.TarError, ValueError) as exc:
+        raise ReleaseError(f"{path}: not a `make images-bundle` archive ({exc})") from None
+    images = {}
+    for entry in manifest or []:
+        found = IMAGE_ID.search(str(entry.get("Config", "")))
+        if not entry.get("RepoTags") or not found:
+            raise ReleaseError(f"{path}: an image without a tag or an ID in its manifest: {entry}")
+        images[entry["RepoTags"][0]] = f"sha256:{found.group()}"
+    if not images:
+        raise ReleaseError(f"{path}: holds no images: run `make images-bundle`")
+    return images
+
+
+def add_answers(sub) -> None:
+    history = sub.add_parser("history", help="the release history (the live and previous tags)")
+    images = sub.add_parser("images", help="the images of a release tag")
+    images.add_argument("tag", nargs="?", help="image tag (default: the one in the env file)")
+    bundle_ids = sub.add_parser("bundle-images", help="the images an images bundle holds, by ID")
+    bundle_ids.add_argument("bundle", type=Path, help="a `make images-bundle` archive")
+    for parser in (history, images, bundle_ids):
+        parser.add_argument("--json", action="store_true", help="print JSON (Ansible reads it)")
+
+
+def answer(args: argparse.Namespace, project: Project) -> int:
+    """history, images, bundle-images: read only, printed as JSON or as lines."""
+    if args.action == "history":
+        result: dict = history_answer(read_history(project))
+        lines = [f"{r.get('tag', '?')} {r.get('status', '?')}" for r in result["records"]]
+    elif args.action == "images":
+        env = project.env()
+        try:
+            tag = args.tag or env["IMAGE_TAG"]
+            result = {"tag": tag, "images": tagged_images(env, tag)}
+        except KeyError as exc:
+            raise ReleaseError(
+                f"images: {project.env_file} has no {exc}: render it again (make config)"
+            ) from None
+        lines = result["images"]
+    else:
+        result = {"images": bundle_images(args.bundle)}
+        lines = [f"{name} {image}" for name, image in result["images"].items()]
+    print(json.dumps(result) if args.json else "\n".join(lines))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="ternary-serve release", description="deploy, roll back and list releases"
@@ -616,11 +687,14 @@ def main(argv: list[str] | None = None) -> int:
     bundle_args = sub.add_parser("bundle", help="the release's images in one archive")
     bundle_args.add_argument("tag", nargs="?", help="image tag (default: the one in the env file)")
     bundle_args.add_argument("--out", type=Path, help="default: build/ternary-serve-images-TAG.tar")
+    add_answers(sub)
     args = ap.parse_args(argv)
     return errors.run("release", lambda: act(args, Project(args.env_file, args.state_dir)))
 
 
 def act(args: argparse.Namespace, project: Project) -> int:
+    if args.action in ANSWERS:
+        return answer(args, project)
     started = time.monotonic()
     if args.action == "list":
         print(format_history(read_history(project), running(project.env())))

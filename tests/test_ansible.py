@@ -130,9 +130,9 @@ def test_ubuntu_sources_packages_and_pins_render_from_versions_env(tmp_path, loc
     - ansible.builtin.include_vars: {ANSIBLE_DIR / "group_vars/all.yml"}
     - ansible.builtin.include_vars: {roles / "nvidia_driver/defaults/main.yml"}
     - ansible.builtin.include_vars: {roles / "nvidia_driver/vars/main.yml"}
-    - ansible.builtin.include_vars: {roles / "nvidia_driver/vars/Ubuntu.yml"}
+    - ansible.builtin.include_vars: {roles / "nvidia_driver/vars/Ubuntu-22.04.yml"}
     - ansible.builtin.include_vars: {roles / "cuda_toolkit/defaults/main.yml"}
-    - ansible.builtin.include_vars: {roles / "cuda_toolkit/vars/Ubuntu.yml"}
+    - ansible.builtin.include_vars: {roles / "cuda_toolkit/vars/Ubuntu-22.04.yml"}
     - ansible.builtin.include_vars: {roles / "nvidia_container_toolkit/defaults/main.yml"}
     - ansible.builtin.include_vars: {roles / "nvidia_container_toolkit/vars/main.yml"}
     - ansible.builtin.include_vars: {roles / "docker/defaults/main.yml"}
@@ -286,16 +286,14 @@ def test_the_collection_pins_are_the_versions_the_tests_run():
 
 
 def test_the_roles_setting_defaults_are_the_settings_modules():
-    """The llm_stack role needs a few settings before the project is on the host (the GPU check,
-    what the tarball carries, the replicas' ports and names): its fallbacks must be the defaults
-    ternary_serve/settings.py declares."""
-    text = (ANSIBLE_DIR / "roles/llm_stack/vars/main.yml").read_text()
+    """The llm_stack role needs two settings before the project is on the host (the GPU check,
+    what the tarball carries): its fallbacks must be the defaults ternary_serve/settings.py
+    declares. The replicas' ports and names are the CLI's (`ternary-serve fleet replicas`)."""
+    text = "".join(
+        path.read_text() for path in sorted((ANSIBLE_DIR / "roles/llm_stack").rglob("*.yml"))
+    )
     fallbacks = dict(re.findall(r"llm_stack_settings\.(\w+) \| default\('?([^')]+)'?\)", text))
-    assert set(fallbacks) == {
-        "BACKEND", "ENGINE_SOURCE", "PUBLISH_PORT", "PROJECT_NAME", "PUBLISH_ADDRESS"
-    }  # fmt: skip
-    # PUBLISH_ADDRESS falls back to every address only in a fleet, where the gateway must reach it.
-    assert fallbacks.pop("PUBLISH_ADDRESS") == "0.0.0.0"
+    assert set(fallbacks) == {"BACKEND", "ENGINE_SOURCE"}
     assert fallbacks == {name: settings.SETTINGS[name].default for name in fallbacks}
 
 
@@ -309,3 +307,57 @@ def test_the_molecule_scenarios_connect_as_ansible_cfg_does():
     for scenario in sorted((ANSIBLE_DIR / "molecule").glob("*/molecule.yml")):
         options = yaml.safe_load(scenario.read_text())["provisioner"].get("config_options", {})
         assert options.get("connection") == operators, scenario.parent.name
+
+
+RELEASES = {"jammy": ("Ubuntu", "22.04", "22"), "bookworm": ("Debian", "12.11", "12"),
+            "trixie": ("Debian", "13.1", "13")}  # fmt: skip
+
+
+def test_each_role_loads_the_values_of_the_releases_it_supports_and_refuses_others(
+    tmp_path, local_inventory
+):
+    """Every role finds vars/<Distribution>-<release>.yml (first_found over the version, then the
+    major version) for each release its meta/main.yml names, and stops with the list of what it
+    supports on any other: a new release is one file per role."""
+    roles = sorted(
+        p.parent.parent.name for p in (ANSIBLE_DIR / "roles").glob("*/tasks/os_vars.yml")
+    )
+    assert roles == sorted(p.name for p in (ANSIBLE_DIR / "roles").iterdir()), roles
+    cases = []
+    for role in roles:
+        meta = yaml.safe_load((ANSIBLE_DIR / "roles" / role / "meta/main.yml").read_text())
+        names = [
+            (platform["name"], version)
+            for platform in meta["galaxy_info"]["platforms"]
+            for version in platform["versions"]
+        ]
+        files = sorted(p.stem for p in (ANSIBLE_DIR / "roles" / role / "vars").glob("*-*.yml"))
+        # Ubuntu's files name the release (22.04), Debian's the major version (13).
+        named = [
+            RELEASES[v][:2] if RELEASES[v][0] == "Ubuntu" else RELEASES[v][::2] for _, v in names
+        ]
+        assert files == sorted(f"{dist}-{release}" for dist, release in named), role
+        cases += [(role, *RELEASES[version], True) for _, version in names]
+        cases.append((role, "Ubuntu", "24.04", "24", False))
+    play = tmp_path / "os_vars.yml"
+    play.write_text(
+        "- hosts: localhost\n  gather_facts: false\n  tasks:\n"
+        + "".join(
+            f"    - name: {role} {dist} {version}\n"
+            "      ansible.builtin.include_role:\n"
+            f"        name: {role}\n        tasks_from: os_vars\n"
+            f"        apply: {{ignore_errors: {str(not supported).lower()}}}\n"
+            "      vars:\n"
+            f"        ansible_distribution: {dist}\n"
+            f'        ansible_distribution_version: "{version}"\n'
+            f'        ansible_distribution_major_version: "{major}"\n'
+            for role, dist, version, major, supported in cases
+        )
+    )
+    result = playbook("-i", str(local_inventory), str(play))
+    assert result.returncode == 0, result.stdout[-3000:]
+    for role in roles:
+        assert (
+            f'"msg": "{role} role: Ubuntu 24.04 is not supported (no vars/Ubuntu-24.04.yml)'
+            in result.stdout
+        ), role
