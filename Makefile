@@ -26,7 +26,7 @@ SHA256 ?=
 SRC ?=
 TYPE ?= Q2_0
 EMBEDDINGS_TYPE ?=
-# One image for all three base-image settings, e.g. a local stand-in where no registry is reachable.
+# One image for the three base-image settings, e.g. a local stand-in where no registry is reachable.
 BASE_IMAGE_OVERRIDE ?=
 # make bench: where its JSON and PNG go.
 BENCH_OUT ?= $(CURDIR)/bench
@@ -49,7 +49,7 @@ setting = "$$($(CLI) settings --get $(1))"
 # The settings given on this command line, for ternary-serve config.
 SETTING_ARGS := $(foreach v,$(SETTING_NAMES),$(if $(filter command line,$(origin $(v))),'$(v)=$($(v))')) \
 	$(if $(MODEL)$(SOURCE),'MODEL_SOURCE=$(or $(MODEL),$(SOURCE))') $(if $(SHA256),'MODEL_SHA256=$(SHA256)') \
-	$(if $(BASE_IMAGE_OVERRIDE),$(foreach role,BUILD RUNTIME SMOKE GATEWAY,'$(role)_BASE_IMAGE=$(BASE_IMAGE_OVERRIDE)'))
+	$(if $(BASE_IMAGE_OVERRIDE),$(foreach role,BUILD RUNTIME GATEWAY,'$(role)_BASE_IMAGE=$(BASE_IMAGE_OVERRIDE)'))
 
 .PHONY: help venv versions config settings plan model convert build release up deploy rollback releases images-bundle \
 	rotate-key down bench smoke logs demo test check docs-figures docs-settings lint bootstrap constraints fleet-deploy fleet-rollback \

@@ -528,7 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--bin", type=Path, help="no Docker: the engine's bin/ (native llama-server)")
     ap.add_argument("--model", type=Path, help="with --bin: the GGUF")
-    ap.add_argument("--port", type=int, default=8080, help="with --bin: the server's port")
+    ap.add_argument(
+        "--port", type=int, default=config.SERVER_PORT, help="with --bin: the server's port"
+    )
     ap.add_argument("--out", type=Path, default=Path("bench"), help="directory for JSON and PNG")
     ap.add_argument("--name", default="bench", help="file name stem in --out")
     ap.add_argument("--pp", type=int, default=512, help="llama-bench prompt tokens")

@@ -43,6 +43,8 @@ TAG_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 # The ports inside the containers; operators choose PUBLISH_PORT.
 SERVER_PORT = 8080
 GATEWAY_PORT = 8443
+# The gateway's health frontend, on the loopback inside its container (Compose's healthcheck).
+GATEWAY_HEALTH_PORT = 8404
 # Host memory llama-server uses beside the plan: its prompt cache (PROMPT_CACHE=on) and the
 # workload's context checkpoints (both in the template), and an allowance for what the runtime
 # allocates on the host (CUDA's pinned buffers and context; the CPU backend's threads). Without a
@@ -156,7 +158,6 @@ def compose_env(pins: dict[str, str], values: dict[str, str], state_dir: Path) -
         "PROJECT_REVISION": revision,
         "BUILD_BASE_IMAGE": values["BUILD_BASE_IMAGE"] or pins[f"{prefix}_BUILD_IMAGE"],
         "RUNTIME_BASE_IMAGE": values["RUNTIME_BASE_IMAGE"] or pins[f"{prefix}_RUNTIME_IMAGE"],
-        "SMOKE_BASE_IMAGE": values["SMOKE_BASE_IMAGE"] or pins["SMOKE_BASE_IMAGE"],
         "GATEWAY_BASE_IMAGE": values["GATEWAY_BASE_IMAGE"] or pins["GATEWAY_BASE_IMAGE"],
         "SERVER_IMAGE": pins["SERVER_IMAGE"],
         "SMOKE_IMAGE": pins["SMOKE_IMAGE"],
@@ -173,6 +174,8 @@ def compose_env(pins: dict[str, str], values: dict[str, str], state_dir: Path) -
         ),
         "SERVER_PORT": str(SERVER_PORT),
         "GATEWAY_PORT": str(GATEWAY_PORT),
+        "GATEWAY_HEALTH_PORT": str(GATEWAY_HEALTH_PORT),
+        "SERVICE_UID": str(credentials.SERVICE_UID),
         "SERVER_ENV_FILE": str(state_dir / SERVER_ENV),
         "GATEWAY_CONFIG_FILE": str(state_dir / GATEWAY_CONFIG),
         "API_KEY_FILE": str(state_dir / credentials.API_KEY_FILE),
@@ -260,6 +263,7 @@ def render_gateway(
             queue_wait_s=int(values["QUEUE_WAIT_S"]),
             cors_origins=values["CORS_ORIGINS"].split(),
             web_ui=values["WEB_UI"] == "on",
+            health_port=GATEWAY_HEALTH_PORT,
             **vars(placement),
         )
     )

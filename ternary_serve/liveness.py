@@ -298,6 +298,7 @@ def main(state_file: str = STATE_FILE) -> int:
     signal.signal(signal.SIGALRM, overran)
     signal.setitimer(signal.ITIMER_REAL, BUDGET_S + 0.5)
     now = time.time()
+    # The rendered llama-server.env sets it; unset, llama-server listens on its own default.
     port = int(os.environ.get("LLAMA_ARG_PORT", "8080"))
     state = load_state(state_file)
     server = Server(port, api_key(), time.monotonic() + BUDGET_S)

@@ -254,8 +254,8 @@ SETTINGS = {
                 "more server flags, LLAMA_ARG_NAME=value pairs: LLAMA_ARG_THREADS=8",
                 server_extra),
         Setting("BUILD_BASE_IMAGE", "", "the image to build the engine on (empty: versions.env's)"),
-        Setting("RUNTIME_BASE_IMAGE", "", "the server image's base (empty: versions.env's)"),
-        Setting("SMOKE_BASE_IMAGE", "", "the smoke image's base (empty: versions.env's)"),
+        Setting("RUNTIME_BASE_IMAGE", "",
+                "the base of the server, smoke and model-init images (empty: versions.env's)"),
         Setting("GATEWAY_BASE_IMAGE", "",
                 "the gateway image's base, HAProxy from its packages (empty: versions.env's)"),
         Setting("REVISION", "",
@@ -281,7 +281,13 @@ def parse_assignments(args: list[str]) -> dict[str, str]:
     return given
 
 
+# Settings a release removed, and why: a settings.env that still holds one drops it with a note.
+RETIRED = {"SMOKE_BASE_IMAGE": "the smoke image is built on RUNTIME_BASE_IMAGE"}
+
+
 def unknown(name: str) -> SettingError:
+    if name in RETIRED:
+        return SettingError(f"{name} is no longer a setting: {RETIRED[name]}")
     close = difflib.get_close_matches(name, SETTINGS, n=1)
     hint = f"did you mean {close[0]}?" if close else "`ternary-serve settings` lists them"
     return SettingError(f"{name} is not a setting: {hint}")
@@ -289,6 +295,9 @@ def unknown(name: str) -> SettingError:
 
 def resolve(stored: dict[str, str], given: dict[str, str]) -> dict[str, str]:
     """Defaults, then stored values, then given ones (empty: back to the default); all checked."""
+    for name in RETIRED.keys() & stored.keys():
+        print(f"settings: {name} dropped from {SETTINGS_FILE}: {RETIRED[name]}", file=sys.stderr)
+    stored = {name: value for name, value in stored.items() if name not in RETIRED}
     for name in (*stored, *given):
         if name not in SETTINGS:
             raise unknown(name)

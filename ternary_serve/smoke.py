@@ -269,7 +269,7 @@ def format_report(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ternary-serve smoke", description=__doc__.splitlines()[0])
-    ap.add_argument("--url", default="http://llama-server:8080", help="server base URL")
+    ap.add_argument("--url", required=True, help="server base URL (Compose passes the stack's)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument(
         "--ignore-eos",

@@ -368,7 +368,6 @@ def configure(workdir: Path, model: Path, name: str, **settings: str | None) -> 
         "PUBLISH_PORT": str(free_port()),
         "BUILD_BASE_IMAGE": STAND_IN_IMAGE,
         "RUNTIME_BASE_IMAGE": STAND_IN_IMAGE,
-        "SMOKE_BASE_IMAGE": STAND_IN_IMAGE,
         "GATEWAY_BASE_IMAGE": STAND_IN_IMAGE,
         "REVISION": SESSION_REVISION,
         # Off unless a test is about it: a tiny model's CPU decode rate follows the machine's

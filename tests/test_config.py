@@ -60,8 +60,10 @@ def test_every_image_is_built_from_a_base_pinned_by_digest(tmp_path, backend):
     """What a default `make config` hands Compose's build: a tag alone can move under a rebuild, a
     digest cannot."""
     env, _ = configure(tmp_path, BACKEND=backend)
-    bases = {key: value for key, value in env.items() if key.endswith("_BASE_IMAGE")}
-    assert len(bases) == 4, bases
+    dockerfile = (PROJECT_ROOT / "docker" / "Dockerfile").read_text()
+    from_args = set(re.findall(r"^FROM \$\{(\w+)\}", dockerfile, re.MULTILINE))
+    bases = {key: env.get(key, "") for key in from_args}
+    assert len(bases) == 3, bases
     for key, image in bases.items():
         assert re.fullmatch(r"[a-z0-9./_-]+:[\w.-]+@sha256:[0-9a-f]{64}", image), (
             f"{key}={image}: pin the base image in versions.env by digest (TAG@sha256:...)"
@@ -185,6 +187,18 @@ def test_replace_drops_settings_not_given(tmp_path):
     assert (env["CONTEXT"], env["SLOTS"]) == ("auto", "2")
 
 
+def test_a_retired_setting_in_settings_env_is_dropped_with_a_note(tmp_path, capsys):
+    """An operator's settings.env from before the smoke image moved onto the runtime base."""
+    configure(tmp_path, CONTEXT="4096")
+    (tmp_path / "settings.env").write_text(
+        (tmp_path / "settings.env").read_text() + "SMOKE_BASE_IMAGE=python:3.11-slim\n"
+    )
+    env, _ = configure(tmp_path)
+    assert env["CONTEXT"] == "4096" and "SMOKE_BASE_IMAGE" not in env
+    assert envfile.read(tmp_path / "settings.env") == {"CONTEXT": "4096"}
+    assert "SMOKE_BASE_IMAGE dropped from settings.env" in capsys.readouterr().err
+
+
 BAD = [
     (["BACKEND=rocm"], "BACKEND=rocm: choose cuda or cpu"),
     (["CONTEXT=lots"], "CONTEXT=lots: a whole number from 256"),
@@ -197,6 +211,7 @@ BAD = [
     (["SERVER_EXTRA=--threads 4"], "SERVER_EXTRA=--threads 4: space-separated LLAMA_ARG_NAME"),
     (["SERVER_EXTRA=LLAMA_ARG_CTX_SIZE=4096"], "SERVER_EXTRA sets LLAMA_ARG_CTX_SIZE, which the"),
     (["CONTXT=4096"], "CONTXT is not a setting: did you mean CONTEXT?"),
+    (["SMOKE_BASE_IMAGE=x"], "SMOKE_BASE_IMAGE is no longer a setting: the smoke image is built"),
     (["CONTEXT"], "'CONTEXT': settings are given as NAME=value"),
 ]
 

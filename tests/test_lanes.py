@@ -148,5 +148,5 @@ def test_the_cuda_images_key_covers_the_stages_it_is_built_from_and_no_other():
     does not use (a change to the smoke image must not cost a cold CUDA build)."""
     _, stages = harness.dockerfile_stages(harness.DOCKERFILE.read_text())
     used = set(harness.stages_of("server", stages, {"ENGINE_SOURCE": "local"}))
-    assert {"engine-build", "engine-src-local", "toolchain", "server"} <= used
-    assert not used & {"smoke", "convert", "gateway", "engine-src-git"}
+    assert {"engine-build", "engine-src-local", "toolchain", "runtime", "server"} <= used
+    assert not used & {"python", "smoke", "model-init", "gateway", "engine-src-git"}

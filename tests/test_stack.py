@@ -147,6 +147,7 @@ def test_images_carry_labels_and_build_info(built):
     assert labels["io.ternary-serve.engine.commit"] == built.env["ENGINE_COMMIT"]
     assert labels["io.ternary-serve.backend"] == "cpu"
     assert labels["org.opencontainers.image.version"] == built.env["PROJECT_VERSION"]
+    assert labels["org.opencontainers.image.revision"] == built.env["PROJECT_REVISION"]
     info = json.loads(
         subprocess.run(
             [

@@ -7,13 +7,13 @@ import re
 
 import pytest
 
+from ternary_serve import credentials
 from ternary_serve.versions import PROJECT_ROOT, load_versions
 
 # The Dockerfile's build args and the versions.env key each default stands for.
 DOCKERFILE_PINS = {
     "BUILD_BASE_IMAGE": "CUDA_BUILD_IMAGE",
     "RUNTIME_BASE_IMAGE": "CUDA_RUNTIME_IMAGE",
-    "SMOKE_BASE_IMAGE": "SMOKE_BASE_IMAGE",
     "GATEWAY_BASE_IMAGE": "GATEWAY_BASE_IMAGE",
     "GCC_VERSION": "GCC_VERSION",
     "ENGINE_REPO": "ENGINE_REPO",
@@ -34,3 +34,8 @@ def dockerfile_defaults() -> dict[str, str]:
 @pytest.mark.parametrize("arg, key", sorted(DOCKERFILE_PINS.items()))
 def test_the_dockerfile_defaults_are_the_pins(arg, key):
     assert dockerfile_defaults()[arg] == PINS[key]
+
+
+def test_the_dockerfile_builds_its_users_with_the_service_uid_the_secrets_are_shared_with():
+    """credentials.SERVICE_UID owns the state directory's secrets; the images' user must match."""
+    assert dockerfile_defaults()["SERVICE_UID"] == str(credentials.SERVICE_UID)
