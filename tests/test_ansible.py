@@ -15,6 +15,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -361,3 +362,69 @@ def test_each_role_loads_the_values_of_the_releases_it_supports_and_refuses_othe
             f'"msg": "{role} role: Ubuntu 24.04 is not supported (no vars/Ubuntu-24.04.yml)'
             in result.stdout
         ), role
+
+
+# Holds dpkg's frontend lock as apt does (fcntl), for the seconds given: what unattended-upgrades
+# does at a fresh box's first boot.
+HOLD_APT_LOCK = (
+    "import fcntl, sys, time\n"
+    "lock = open('/var/lib/dpkg/lock-frontend', 'w')\n"
+    "fcntl.lockf(lock, fcntl.LOCK_EX)\n"
+    "time.sleep(float(sys.argv[1]))\n"
+)
+
+
+@pytest.mark.docker
+def test_apt_waits_out_a_held_lock_and_names_the_holder_when_the_wait_runs_out(
+    docker_required, tmp_path
+):
+    """The apt_prerequisites role (every provisioning role depends on it) in a plain container of
+    the Molecule image: a lock held for 20 s is waited out; one held past the bound stops the run
+    with one line naming the holder, before anything is installed."""
+    name = f"ts-apt-lock-{tmp_path.name[-12:]}"
+    image = "local/debian:trixie-systemd"  # tests/bootstrap.py SYSTEMD_IMAGE
+    started = subprocess.run(
+        ["docker", "run", "-d", "--name", name, "--entrypoint", "sleep", image, "infinity"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    inventory = tmp_path / "inventory"
+    inventory.write_text(
+        f"{name} ansible_connection=community.docker.docker "
+        "ansible_python_interpreter=/usr/bin/python3\n"
+    )
+    play = tmp_path / "apt.yml"
+    play.write_text(
+        "- name: Provision apt\n  hosts: all\n  gather_facts: false\n  roles: [apt_prerequisites]\n"
+    )
+
+    def hold(seconds: int) -> None:
+        subprocess.run(
+            ["docker", "exec", "-d", name, "python3", "-c", HOLD_APT_LOCK, str(seconds)],
+            check=True,
+        )
+        for _ in range(50):
+            locks = subprocess.run(
+                ["docker", "exec", name, "lslocks", "--noheadings", "--output", "PATH"],
+                capture_output=True, text=True,
+            ).stdout  # fmt: skip
+            if "/var/lib/dpkg/lock-frontend" in locks:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"the lock was not taken in the container: {locks}")
+
+    try:
+        hold(20)
+        waited = playbook("-i", str(inventory), str(play))
+        assert waited.returncode == 0, waited.stdout[-4000:]
+        assert "RETRYING: [" in waited.stdout, waited.stdout[-4000:]  # it did wait
+        hold(600)
+        refused = playbook(
+            "-i", str(inventory), str(play), "-e", "apt_prerequisites_lock_timeout=6"
+        )  # fmt: skip
+        assert refused.returncode != 0, refused.stdout[-4000:]
+        last = [line for line in refused.stdout.splitlines() if line.startswith("fatal:")][-1]
+        assert "apt is locked by python3 (pid " in last, last
+        assert "apt_prerequisites_lock_timeout" in last, last
+    finally:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True)
