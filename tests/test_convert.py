@@ -123,8 +123,10 @@ def test_q2_0_tensors_dequantize_to_exactly_the_source_values(converted, checkpo
 
 
 def serve_logprobs(built, model: Path) -> dict[str, float]:
-    """Next-token log-probabilities over the whole vocabulary from the real llama-server."""
+    """Next-token log-probabilities over the whole vocabulary from the real llama-server, run
+    bare: the address and port are the rendered llama-server.env's in a deployment."""
     port = free_port()
+    inside = built.env["SERVER_PORT"]
     image = f"{built.env['SERVER_IMAGE']}:{built.env['IMAGE_TAG']}"
     name = f"ts-logits-{port}"
     subprocess.run(
@@ -136,7 +138,7 @@ def serve_logprobs(built, model: Path) -> dict[str, float]:
             "--name",
             name,
             "-p",
-            f"127.0.0.1:{port}:8080",
+            f"127.0.0.1:{port}:{inside}",
             "-v",
             f"{model.parent}:/models:ro",
             image,
@@ -146,6 +148,10 @@ def serve_logprobs(built, model: Path) -> dict[str, float]:
             "512",
             "-np",
             "1",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            inside,
         ],
         check=True,
         capture_output=True,
