@@ -63,7 +63,7 @@ def test_every_image_is_built_from_a_base_pinned_by_digest(tmp_path, backend):
     dockerfile = (PROJECT_ROOT / "docker" / "Dockerfile").read_text()
     from_args = set(re.findall(r"^FROM \$\{(\w+)\}", dockerfile, re.MULTILINE))
     bases = {key: env.get(key, "") for key in from_args}
-    assert len(bases) == 3, bases
+    assert bases, "the Dockerfile builds from no base-image build arg"
     for key, image in bases.items():
         assert re.fullmatch(r"[a-z0-9./_-]+:[\w.-]+@sha256:[0-9a-f]{64}", image), (
             f"{key}={image}: pin the base image in versions.env by digest (TAG@sha256:...)"
