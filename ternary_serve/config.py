@@ -27,11 +27,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import docker
-import docker.errors
 import jinja2
 
-from ternary_serve import catalog, credentials, envfile, errors, plan, settings
+from ternary_serve import catalog, credentials, dockerd, envfile, errors, plan, settings
 from ternary_serve.files import write_atomic
 from ternary_serve.versions import PROJECT_ROOT, load_versions
 
@@ -307,7 +305,8 @@ def write_planned(state_dir: Path, files: dict[str, str]) -> bool:
 
 def port_holder(address: str, port: int, project: str) -> str | None:
     """Who holds address:port, if anyone other than this Compose project: None when it is free
-    or this project's own container publishes it (a redeploy takes it over)."""
+    or this project's own container publishes it (a redeploy takes it over). A held port with
+    Docker out of reach is DockerUnreachable: only Docker can say whose container holds it."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -317,21 +316,25 @@ def port_holder(address: str, port: int, project: str) -> str | None:
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
                 return None  # not ours to judge (an address this host lacks): Docker will say
-    try:
-        for container in docker.from_env().containers.list(
-            filters={"label": f"com.docker.compose.project={project}"}
-        ):
-            for bindings in (container.attrs["NetworkSettings"]["Ports"] or {}).values():
-                if any(b.get("HostPort") == str(port) for b in bindings or []):
-                    return None
-    except docker.errors.DockerException:
-        pass
+    for container in dockerd.client().containers.list(
+        filters={"label": f"com.docker.compose.project={project}"}
+    ):
+        for bindings in (container.attrs["NetworkSettings"]["Ports"] or {}).values():
+            if any(b.get("HostPort") == str(port) for b in bindings or []):
+                return None
     return "another program"
 
 
 def check_port(values: dict[str, str]) -> None:
     address, port = values["PUBLISH_ADDRESS"], int(values["PUBLISH_PORT"])
-    if port_holder(address, port, values["PROJECT_NAME"]):
+    try:
+        holder = port_holder(address, port, values["PROJECT_NAME"])
+    except dockerd.DockerUnreachable as exc:
+        raise dockerd.DockerUnreachable(
+            f"PUBLISH_PORT={port}: {address}:{port} is in use, and whether by this stack only "
+            f"Docker can say: {exc}"
+        ) from None
+    if holder:
         raise ConfigError(
             f"PUBLISH_PORT={port}: {address}:{port} is already in use by another program; "
             "stop it or choose a free port: make config PUBLISH_PORT=<port>"
