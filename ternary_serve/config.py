@@ -360,6 +360,7 @@ def configure(
     values = settings.resolve(stored, given)
     state_dir = state_dir.resolve()
     check_tls(values)
+    catalog.check_name(values["MODEL_SOURCE"], catalog.load_catalog())
     env = compose_env(load_versions(), values, state_dir)
     files, derived, memory = planned(values)
     env.update(derived)
@@ -400,13 +401,20 @@ def model_size(values: dict[str, str], models: catalog.Catalog) -> dict:
 
 
 def answer(args: argparse.Namespace) -> int:
-    """The JSON answers Ansible asks for instead of computing them itself: the checkout's
-    revision (--revision) and the model's size for the disk check (--model-size)."""
+    """The answers Ansible asks for instead of computing them itself: the checkout's revision
+    (--revision), the settings checked before any host changes (--check: each setting's own
+    check, TLS_CERT with TLS_KEY, MODEL_SOURCE against the catalog; nothing printed) and the
+    model's size for the disk check (--model-size), as JSON."""
     if args.revision:
         result = {"revision": project_revision(args.project_dir)}
     else:
         values = settings.resolve({}, settings.parse_assignments(args.assignments))
-        result = model_size(values, catalog.load_catalog())
+        models = catalog.load_catalog()
+        catalog.check_name(values["MODEL_SOURCE"], models)
+        if args.check:
+            check_tls(values)
+            return 0
+        result = model_size(values, models)
         if result["bytes"] is None:
             raise ConfigError(
                 f"MODEL_SOURCE={values['MODEL_SOURCE']}: no size known (models.yaml gives "
@@ -452,8 +460,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="print the size of the given settings' model (MODEL_SOURCE) as JSON, no change",
     )
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="check the given settings as config does (MODEL_SOURCE: models.yaml), no change",
+    )
     args = ap.parse_args(argv)
-    if args.revision or args.model_size:
+    if args.revision or args.model_size or args.check:
         return errors.run("config", lambda: answer(args))
     if args.show:
         print(json.dumps(envfile.read(args.env_file) if args.env_file.is_file() else {}))
