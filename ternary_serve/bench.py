@@ -36,7 +36,7 @@ import requests
 import requests.adapters
 import urllib3.util
 
-from ternary_serve import config, envfile, errors, gpu, probe, settings
+from ternary_serve import config, dockerd, envfile, errors, gpu, probe, settings
 from ternary_serve.client import Endpoint
 from ternary_serve.files import write_json
 from ternary_serve.versions import PROJECT_ROOT
@@ -116,6 +116,7 @@ class Engine:
         log("+ " + " ".join(cmd))
         started = subprocess.run(cmd, capture_output=True, text=True, cwd=PROJECT_ROOT)
         if started.returncode != 0:
+            dockerd.answers()
             return started
         container = started.stdout.strip().splitlines()[-1]
         try:
@@ -588,7 +589,11 @@ def run(args: argparse.Namespace) -> dict:
         api = Endpoint.of(env)
         release = env["IMAGE_TAG"]
         model_name = env["MODEL_FILE"]
-        probe.served_model(api)  # before minutes of engine benchmarks
+        try:
+            probe.served_model(api)  # before minutes of engine benchmarks
+        except probe.ProbeError:
+            dockerd.answers()  # the stack is down because Docker is: that is the fix to name
+            raise
     slots = int(flags.get("LLAMA_ARG_N_PARALLEL", "1"))
     result = {
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),

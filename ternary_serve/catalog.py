@@ -5,6 +5,7 @@ first verified fetch pins a model the catalog has no digest for.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -93,6 +94,20 @@ def load_catalog(path: Path = CATALOG_FILE) -> Catalog:
             quality_gate=gate,
         )
     return Catalog(models, gates)
+
+
+def check_name(source: str, models: Catalog) -> None:
+    """Refuse a source that can only mean a catalog name (no URL, no directory in it, no file of
+    that name) and names none of the catalog's models: one line with the names, and the closest."""
+    if not source or source in models or "/" in source or Path(source).exists():
+        return
+    close = difflib.get_close_matches(source, models.models, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    names = ", ".join(models.models) or "none"
+    raise WeightsError(
+        f"{source} is not a model in models.yaml: {hint}its models: {names} (or give an "
+        "https:// URL, hf://OWNER/REPO/FILE or a path)"
+    )
 
 
 def check_engine(entry: CatalogEntry, engine_repo: str) -> None:

@@ -27,11 +27,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import docker
-import docker.errors
 import jinja2
 
-from ternary_serve import catalog, credentials, envfile, errors, plan, settings
+from ternary_serve import catalog, credentials, dockerd, envfile, errors, plan, settings
 from ternary_serve.files import write_atomic
 from ternary_serve.versions import PROJECT_ROOT, load_versions
 
@@ -307,7 +305,8 @@ def write_planned(state_dir: Path, files: dict[str, str]) -> bool:
 
 def port_holder(address: str, port: int, project: str) -> str | None:
     """Who holds address:port, if anyone other than this Compose project: None when it is free
-    or this project's own container publishes it (a redeploy takes it over)."""
+    or this project's own container publishes it (a redeploy takes it over). A held port with
+    Docker out of reach is DockerUnreachable: only Docker can say whose container holds it."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -317,21 +316,25 @@ def port_holder(address: str, port: int, project: str) -> str | None:
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
                 return None  # not ours to judge (an address this host lacks): Docker will say
-    try:
-        for container in docker.from_env().containers.list(
-            filters={"label": f"com.docker.compose.project={project}"}
-        ):
-            for bindings in (container.attrs["NetworkSettings"]["Ports"] or {}).values():
-                if any(b.get("HostPort") == str(port) for b in bindings or []):
-                    return None
-    except docker.errors.DockerException:
-        pass
+    for container in dockerd.client().containers.list(
+        filters={"label": f"com.docker.compose.project={project}"}
+    ):
+        for bindings in (container.attrs["NetworkSettings"]["Ports"] or {}).values():
+            if any(b.get("HostPort") == str(port) for b in bindings or []):
+                return None
     return "another program"
 
 
 def check_port(values: dict[str, str]) -> None:
     address, port = values["PUBLISH_ADDRESS"], int(values["PUBLISH_PORT"])
-    if port_holder(address, port, values["PROJECT_NAME"]):
+    try:
+        holder = port_holder(address, port, values["PROJECT_NAME"])
+    except dockerd.DockerUnreachable as exc:
+        raise dockerd.DockerUnreachable(
+            f"PUBLISH_PORT={port}: {address}:{port} is in use, and whether by this stack only "
+            f"Docker can say: {exc}"
+        ) from None
+    if holder:
         raise ConfigError(
             f"PUBLISH_PORT={port}: {address}:{port} is already in use by another program; "
             "stop it or choose a free port: make config PUBLISH_PORT=<port>"
@@ -357,6 +360,7 @@ def configure(
     values = settings.resolve(stored, given)
     state_dir = state_dir.resolve()
     check_tls(values)
+    catalog.check_name(values["MODEL_SOURCE"], catalog.load_catalog())
     env = compose_env(load_versions(), values, state_dir)
     files, derived, memory = planned(values)
     env.update(derived)
@@ -397,13 +401,20 @@ def model_size(values: dict[str, str], models: catalog.Catalog) -> dict:
 
 
 def answer(args: argparse.Namespace) -> int:
-    """The JSON answers Ansible asks for instead of computing them itself: the checkout's
-    revision (--revision) and the model's size for the disk check (--model-size)."""
+    """The answers Ansible asks for instead of computing them itself: the checkout's revision
+    (--revision), the settings checked before any host changes (--check: each setting's own
+    check, TLS_CERT with TLS_KEY, MODEL_SOURCE against the catalog; nothing printed) and the
+    model's size for the disk check (--model-size), as JSON."""
     if args.revision:
         result = {"revision": project_revision(args.project_dir)}
     else:
         values = settings.resolve({}, settings.parse_assignments(args.assignments))
-        result = model_size(values, catalog.load_catalog())
+        models = catalog.load_catalog()
+        catalog.check_name(values["MODEL_SOURCE"], models)
+        if args.check:
+            check_tls(values)
+            return 0
+        result = model_size(values, models)
         if result["bytes"] is None:
             raise ConfigError(
                 f"MODEL_SOURCE={values['MODEL_SOURCE']}: no size known (models.yaml gives "
@@ -449,8 +460,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="print the size of the given settings' model (MODEL_SOURCE) as JSON, no change",
     )
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="check the given settings as config does (MODEL_SOURCE: models.yaml), no change",
+    )
     args = ap.parse_args(argv)
-    if args.revision or args.model_size:
+    if args.revision or args.model_size or args.check:
         return errors.run("config", lambda: answer(args))
     if args.show:
         print(json.dumps(envfile.read(args.env_file) if args.env_file.is_file() else {}))

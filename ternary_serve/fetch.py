@@ -32,6 +32,7 @@ from ternary_serve.catalog import (
     LOCK_NAME,
     Catalog,
     check_engine,
+    check_name,
     load_catalog,
     pin_in_lock,
     read_lock,
@@ -323,6 +324,7 @@ def obtain(source: str, target: Path, args: argparse.Namespace) -> dict:
         return fetch_by_name(
             source, target, args.backend, catalog, lock, engine_repo, args.sha256, args.revision
         )
+    check_name(source, catalog)
     return fetch(
         source,
         target,

@@ -26,7 +26,7 @@ import docker
 import docker.errors
 import requests
 
-from ternary_serve import client, config, credentials, envfile, errors, probe, settings
+from ternary_serve import client, config, credentials, dockerd, envfile, errors, probe, settings
 from ternary_serve.versions import PROJECT_ROOT
 
 HISTORY_FILE = "releases.jsonl"
@@ -71,10 +71,14 @@ class Project:
     def compose(
         self, *args: str, timeout: float = WAIT_TIMEOUT_S + 60, tag: str | None = None
     ) -> subprocess.CompletedProcess:
+        """docker compose ARGS; a failure because Docker does not answer is DockerUnreachable."""
         cmd, env = self.command(*args, tag=tag)
-        return subprocess.run(
+        result = subprocess.run(
             cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout, env=env
         )
+        if result.returncode != 0:
+            dockerd.answers()
+        return result
 
 
 # --- history -------------------------------------------------------------------------------------
@@ -151,7 +155,7 @@ def bundle_path(tag: str) -> Path:
 def bundle(env: dict[str, str], tag: str, out: Path) -> str:
     """The release's images in one `docker save` archive: what the Ansible role loads on a host
     that has no registry, or should not build (a second box, an offline one)."""
-    engine = docker.from_env()
+    engine = dockerd.client()
     require_images(engine, env, tag)
     names = tagged_images(env, tag)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -162,6 +166,7 @@ def bundle(env: dict[str, str], tag: str, out: Path) -> str:
     )
     if result.returncode != 0:
         partial.unlink(missing_ok=True)
+        dockerd.answers()
         detail = (result.stderr.strip().splitlines() or ["docker save failed"])[-1]
         raise ReleaseError(f"bundle of {tag} not written ({detail}): free space under {out.parent}")
     partial.rename(out)  # never a half-written bundle under the final name
@@ -290,7 +295,7 @@ def start(project: Project, services: list[str], wait_timeout: int, recreate: bo
     """`compose up --wait` on services: None once they are healthy, else why not (one line). A
     container that restarts meanwhile ends the wait at once: a server that crashes, or that its
     liveness check kills, comes back `starting`, and Compose would wait out the whole timeout."""
-    engine = docker.from_env()
+    engine = dockerd.client()
     env = project.env()
     remove_half_recreated(engine, env)
     before = {c.id: c.attrs["RestartCount"] for c in containers(engine, env, *services)}
@@ -325,6 +330,7 @@ def start(project: Project, services: list[str], wait_timeout: int, recreate: bo
                 return why or f"docker compose up did not return within {wait_timeout + 120} s"
     if up.returncode == 0:
         return None
+    dockerd.answers()
     detail = (err.strip().splitlines() or ["no output"])[-1]
     logs = project.compose("logs", "--no-color", "--tail", "5", "model-init", *services)
     hint = " | ".join(line.split("|", 1)[-1].strip() for line in logs.stdout.splitlines()[-3:])
@@ -389,7 +395,7 @@ def deploy(
 ) -> str:
     """Make tag live, or leave the last good release live and raise. Returns a summary line."""
     env = project.env()
-    engine = docker.from_env()
+    engine = dockerd.client()
     require_images(engine, env, tag)  # before anything changes
     values = settings.configured(project.env_file)
     with deploy_lock(project):
@@ -516,6 +522,7 @@ def rotate_key(project: Project, wait_timeout: int = WAIT_TIMEOUT_S) -> str:
     live = current_live(read_history(project))
     if live is None:
         raise ReleaseError("nothing is live: deploy first (make up); the key is used from then on")
+    dockerd.answers()  # before the key changes: no deploy and no undo without Docker
     key_file = Path(project.env()["API_KEY_FILE"])
     old = key_file.read_text()
     try:
@@ -541,7 +548,7 @@ def endpoint(env: dict[str, str]) -> str:
 def running(env: dict[str, str]) -> dict | None:
     """What Docker runs as this project's llama-server: its tag, state and health (None when
     there is no container). The history says what should run; this says what does."""
-    server = containers(docker.from_env(), env, "llama-server")
+    server = containers(dockerd.client(), env, "llama-server")
     if not server:
         return None
     state = server[0].attrs["State"]

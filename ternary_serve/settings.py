@@ -365,7 +365,6 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ternary-serve settings", description=__doc__.splitlines()[0])
     ap.add_argument("--names", action="store_true", help="only the names, one line (for Make)")
     ap.add_argument("--get", metavar="NAME", help="print one setting as the stack is configured")
-    ap.add_argument("--check", nargs="*", metavar="NAME=value", help="check these, change nothing")
     ap.add_argument("--env-file", type=Path, default=PROJECT_ROOT / ".env")
     ap.add_argument("--page", action="store_true", help=f"print {SETTINGS_PAGE.name}'s text")
     args = ap.parse_args(argv)
@@ -375,8 +374,6 @@ def main(argv: list[str] | None = None) -> int:
 def act(args: argparse.Namespace) -> int:
     if args.page:
         sys.stdout.write(page())
-    elif args.check is not None:
-        resolve({}, parse_assignments(args.check))
     elif args.names:
         print(" ".join(SETTINGS))
     elif args.get:

@@ -60,7 +60,7 @@ LANES: dict[str, list[str]] = {
     "chaos": ["test_chaos.py", f"--deselect={DOCKERD_RESTART}"],
     "unit": ["test_config.py", "test_fetch.py", "test_plan.py", "test_synthetic.py",
              "test_smoke.py", "test_versions.py", "test_weights.py", "test_role_answers.py",
-             "test_lanes.py"],
+             "test_lanes.py", "test_docker_down.py"],
 }  # fmt: skip
 # After the lanes, one at a time: restarting dockerd would cut every other lane.
 ALONE: dict[str, list[str]] = {"dockerd-restart": [DOCKERD_RESTART]}

@@ -55,9 +55,11 @@ def local_inventory(tmp_path) -> Path:
         ({"nvidia_driver_secure_boot": "maybe"},
          "value of nvidia_driver_secure_boot must be one of: fail, sign"),
         ({"llm_stack_settings": {"BACKEND": "rocm"}},
-         "settings: BACKEND=rocm: choose cuda or cpu"),
+         "config: BACKEND=rocm: choose cuda or cpu"),
         ({"llm_stack_settings": {"CONTXT": 4096}},
          "CONTXT is not a setting: did you mean CONTEXT?"),
+        ({"llm_stack_settings": {"MODEL_SOURCE": "bonsai-8b"}},
+         "bonsai-8b is not a model in models.yaml: did you mean bonsai-8b-q2_0?"),
         ({"docker_daemon_options": "not-a-dict"}, "docker_daemon_options"),
     ],
 )  # fmt: skip

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from ternary_serve import config, envfile, settings
+from ternary_serve import catalog, config, envfile, settings
 from ternary_serve.versions import PROJECT_ROOT, load_versions
 
 
@@ -213,6 +213,10 @@ BAD = [
     (["CONTXT=4096"], "CONTXT is not a setting: did you mean CONTEXT?"),
     (["SMOKE_BASE_IMAGE=x"], "SMOKE_BASE_IMAGE is no longer a setting: the smoke image is built"),
     (["CONTEXT"], "'CONTEXT': settings are given as NAME=value"),
+    (
+        ["MODEL_SOURCE=bonsai-8b"],
+        "bonsai-8b is not a model in models.yaml: did you mean bonsai-8b-q2_0? its models: ",
+    ),
 ]
 
 
@@ -224,6 +228,26 @@ def test_a_bad_value_is_refused_with_one_line_and_nothing_written(tmp_path, caps
     assert err.startswith(f"config: {message}"), err
     assert len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_mistyped_model_lists_the_catalogs_names(tmp_path, capsys):
+    """`make up MODEL=...` and `make config MODEL=...` pass it as MODEL_SOURCE: refused before
+    anything is built or written, with every name the catalog has."""
+    code = config.main(["MODEL_SOURCE=qwen-27b", "--env-file", str(tmp_path / ".env")])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert err.startswith("config: qwen-27b is not a model in models.yaml: its models: "), err
+    assert all(name in err for name in catalog.load_catalog().models), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_source_that_is_no_name_is_not_checked_against_the_catalog(tmp_path, monkeypatch):
+    """Only a bare word must be a catalog name: a URL, an hf:// file, a path, a file here."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "here.gguf").write_bytes(b"")
+    for source in ("https://example.org/m.gguf", "hf://o/r/m.gguf", "/models/ckpt", "here.gguf"):
+        env, _ = configure(tmp_path / "stack", MODEL_SOURCE=source)
+        assert env["MODEL_SOURCE"] == source
 
 
 def test_the_settings_page_is_the_registry_as_it_stands():

@@ -192,6 +192,16 @@ def test_cli_reports_one_line(tmp_path, capsys):
     assert err.startswith("fetch: ") and "\n" not in err
 
 
+def test_a_mistyped_name_lists_the_catalog_and_the_closest(tmp_path, capsys):
+    """`make model MODEL=...`, and model-init in the deploy's model check."""
+    assert fetch.main(["bonsai-4b", str(tmp_path / "m.gguf"), "--backend", "cpu"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fetch: bonsai-4b is not a model in models.yaml: did you mean "
+                          "bonsai-4b-q2_0? its models: "), err  # fmt: skip
+    assert "\n" not in err and all(name in err for name in load_catalog().models), err
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- the catalog ---------------------------------------------------------------------------------
 
 

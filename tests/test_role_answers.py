@@ -270,6 +270,24 @@ def test_no_size_at_all_is_refused_rather_than_guessed(capsys, monkeypatch):
     assert "no size known" in ERRORS[-1]
 
 
+def test_the_settings_check_refuses_a_mistyped_model_with_the_catalogs_names(capsys):
+    """site.yml's first pre-task and the role's preflight: before anything on a host changes."""
+    assert ask(capsys, "config", "--check", "MODEL_SOURCE=bonsai-2-27b-pq2_0", "CONTEXT=4096") == (
+        0, None
+    )  # fmt: skip
+    for answer in ("--check", "--model-size"):
+        code, out = ask(capsys, "config", answer, "MODEL_SOURCE=bonsai-27b")
+        assert code == 1 and out is None
+        said = ERRORS[-1].strip()
+        assert said.startswith("config: bonsai-27b is not a model in models.yaml"), said
+        assert len(said.splitlines()) == 1, said
+        assert all(name in said for name in catalog.load_catalog().models), said
+    for wrong, message in (("TLS_CERT=/c.pem", "TLS_CERT and TLS_KEY go together"),
+                           ("SLOTS=0", "SLOTS=0: a whole number")):  # fmt: skip
+        assert ask(capsys, "config", "--check", wrong) == (1, None)
+        assert message in ERRORS[-1]
+
+
 def test_a_wrong_setting_gets_no_model_size(capsys):
     code, size = ask(capsys, "config", "--model-size", "CONTXT=1")
     assert code == 1 and size is None
