@@ -3,7 +3,7 @@
 `ternary-serve fleet key --out DIR` generates the fleet's API key once (DIR/api-key); every
 replica serves with it (`ternary-serve config --api-key-from`).
 
-`ternary-serve fleet gateway --out DIR --replicas FILE --address ADDR --tls-file PATH
+`ternary-serve fleet gateway --out DIR --replicas FILE [FILE ...] --address ADDR --tls-file PATH
 --stats-socket PATH --api-key-file PATH [NAME=value ...]` writes, on the controller, what the
 gateway host gets (the llm_gateway role copies it there; the PATHs are where it puts them):
   haproxy.cfg     templates/haproxy.cfg.j2 with every replica as a backend server: the frontend of
@@ -12,8 +12,9 @@ gateway host gets (the llm_gateway role copies it there; the PATHs are where it 
                   and a Prometheus exporter
   gateway.pem     its TLS certificate and key: TLS_CERT/TLS_KEY, or one generated once for ADDR
   prometheus.yml  a Prometheus scrape configuration for every replica and the gateway
-FILE is JSON: [{"name": "gpu-box-1-gpu0", "address": "10.0.0.11", "port": 8080, "slots": 4}, ...]
-(the role writes it from the inventory). The settings are the stack's (`ternary-serve settings`).
+Each FILE is a serving host's replicas.json, JSON: [{"name": "gpu-box-1-gpu0", "address":
+"10.0.0.11", "port": 8080, "slots": 4}, ...] (the llm_gateway role fetches one from every host).
+The settings are the stack's (`ternary-serve settings`).
 Every file is written in one rename, and only when it changes.
 
 `ternary-serve fleet replicas --host NAME --dir DIR --gpu-count N [--gpus N ...] [--fleet]
@@ -21,6 +22,11 @@ Every file is written in one rename, and only when it changes.
 per GPU) as the llm_stack role deploys them: name, directory, env file, state directory, Compose
 project, port and settings of each. With --manifest, what replicas.json holds for the gateway and
 the rollouts: name, address, port, planned slots (from each replica's .env), project, files.
+
+`ternary-serve fleet deployed --host NAME --dir DIR [--env-file E --state-dir S]` prints, as JSON,
+the replicas deployed on this host (DIR/replicas.json), or on a host set up by hand (`make up`)
+the checkout's one project (its .env and state/, or E and S): what a rollout and the fleet's
+`releases.yml` walk through.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ HAPROXY_CONFIG = "haproxy.cfg"
 TLS_FILE = "gateway.pem"
 PROMETHEUS_CONFIG = "prometheus.yml"
 PROMETHEUS_TEMPLATE = "prometheus.yml.j2"
+REPLICAS_FILE = "replicas.json"
 HAPROXY_USER = "haproxy"
 METRICS_PORT = 8405
 SERVER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -222,6 +229,18 @@ def manifest(found: list[dict], address: str) -> list[dict]:
     return rows
 
 
+def deployed(
+    host: str, base_dir: Path, env_file: Path | None, state_dir: Path | None
+) -> list[dict]:
+    """The replicas the llm_stack role deployed on this host (its replicas.json), else the
+    checkout's one project (a host set up by hand)."""
+    path = base_dir / REPLICAS_FILE
+    if path.is_file():
+        return read_replicas(path)
+    env_file, state_dir = env_file or base_dir / ".env", state_dir or base_dir / "state"
+    return [{"name": host, "env_file": str(env_file), "state_dir": str(state_dir)}]
+
+
 def replicas_main(args: argparse.Namespace) -> int:
     given = settings.parse_assignments(args.assignments)
     found = replicas(args.host, args.dir, given, args.gpu_count, args.gpus, args.fleet)
@@ -253,13 +272,20 @@ def main(argv: list[str] | None = None) -> int:
     gw = sub.add_parser("gateway", help="render the fleet gateway's files on the controller")
     gw.add_argument("assignments", nargs="*", metavar="NAME=value", help="the stack's settings")
     gw.add_argument("--out", type=Path, required=True, help="directory for the files")
-    gw.add_argument("--replicas", type=Path, required=True, help="JSON list of the replicas")
+    gw.add_argument(
+        "--replicas", type=Path, nargs="+", required=True, help="each serving host's replicas.json"
+    )
     gw.add_argument("--address", required=True, help="the gateway's address (certificate, metrics)")
     gw.add_argument("--port", type=int, default=443, help="the port clients connect to")
     gw.add_argument("--tls-file", required=True, help="the certificate's path on the gateway")
     gw.add_argument("--stats-socket", required=True, help="the runtime API's socket there")
     gw.add_argument("--api-key-file", required=True, help="the scrape's key file there")
     add_replicas(sub)
+    here = sub.add_parser("deployed", help="the replicas deployed on this host, as JSON")
+    here.add_argument("--host", required=True, help="the host's inventory name")
+    here.add_argument("--dir", type=Path, required=True, help="the project's directory here")
+    here.add_argument("--env-file", type=Path, help="without replicas.json (default DIR/.env)")
+    here.add_argument("--state-dir", type=Path, help="without replicas.json (default DIR/state)")
     args = ap.parse_args(argv)
     return errors.run("fleet", lambda: act(args))
 
@@ -267,12 +293,15 @@ def main(argv: list[str] | None = None) -> int:
 def act(args: argparse.Namespace) -> int:
     if args.action == "replicas":
         return replicas_main(args)
+    if args.action == "deployed":
+        print(json.dumps(deployed(args.host, args.dir, args.env_file, args.state_dir)))
+        return 0
     if args.action == "key":
         path = args.out / credentials.API_KEY_FILE
         changed = credentials.ensure_api_key(path, group=None)
         print(f"fleet: {'generated' if changed else 'unchanged'}: {path}")
         return 0
-    replicas = read_replicas(args.replicas)
+    replicas = [replica for path in args.replicas for replica in read_replicas(path)]
     host = GatewayHost(args.address, args.port, args.tls_file, args.stats_socket, args.api_key_file)
     changed = gateway(args.out, replicas, host, settings.parse_assignments(args.assignments))
     print(f"fleet: {'written' if changed else 'unchanged'}: {args.out} ({len(replicas)} replicas)")
@@ -281,6 +310,9 @@ def act(args: argparse.Namespace) -> int:
 
 def read_replicas(path: Path) -> list[dict]:
     try:
-        return json.loads(path.read_text())
+        found = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise FleetError(f"cannot read the replicas ({exc})") from None
+        raise FleetError(f"cannot read the replicas in {path} ({exc})") from None
+    if not isinstance(found, list):
+        raise FleetError(f"{path}: not a list of replicas (`fleet replicas --manifest` writes one)")
+    return found

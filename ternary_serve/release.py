@@ -638,12 +638,26 @@ def bundle_images(path: Path) -> dict[str, str]:
     return images
 
 
+def bundle_answer(tag: str, given: Path | None) -> dict:
+    """The bundle a rollout ships for tag (the one given, else `make images-bundle`'s for the tag)
+    and its images by ID; none found: no images, and the path looked at."""
+    path = given or bundle_path(tag)
+    if given is None and not path.is_file():
+        return {"bundle": str(path), "found": False, "images": {}}
+    return {"bundle": str(path), "found": True, "images": bundle_images(path)}
+
+
 def add_answers(sub) -> None:
     history = sub.add_parser("history", help="the release history (the live and previous tags)")
-    images = sub.add_parser("images", help="the images of a release tag")
+    images = sub.add_parser(
+        "images", help="the images of a release tag and the services it keeps running"
+    )
     images.add_argument("tag", nargs="?", help="image tag (default: the one in the env file)")
     bundle_ids = sub.add_parser("bundle-images", help="the images an images bundle holds, by ID")
-    bundle_ids.add_argument("bundle", type=Path, help="a `make images-bundle` archive")
+    bundle_ids.add_argument("tag", help="the release's image tag")
+    bundle_ids.add_argument(
+        "--bundle", type=Path, help="a `make images-bundle` archive (default: the tag's, if made)"
+    )
     for parser in (history, images, bundle_ids):
         parser.add_argument("--json", action="store_true", help="print JSON (Ansible reads it)")
 
@@ -657,14 +671,18 @@ def answer(args: argparse.Namespace, project: Project) -> int:
         env = project.env()
         try:
             tag = args.tag or env["IMAGE_TAG"]
-            result = {"tag": tag, "images": tagged_images(env, tag)}
+            result = {
+                "tag": tag,
+                "images": tagged_images(env, tag),
+                "services": serving_services(env),
+            }
         except KeyError as exc:
             raise ReleaseError(
                 f"images: {project.env_file} has no {exc}: render it again (make config)"
             ) from None
         lines = result["images"]
     else:
-        result = {"images": bundle_images(args.bundle)}
+        result = bundle_answer(args.tag, args.bundle)
         lines = [f"{name} {image}" for name, image in result["images"].items()]
     print(json.dumps(result) if args.json else "\n".join(lines))
     return 0

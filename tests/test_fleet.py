@@ -45,11 +45,18 @@ HOST_PATHS = [
 
 
 def render(tmp_path, replicas, *settings: str) -> subprocess.CompletedProcess:
-    (tmp_path / "replicas.json").write_text(json.dumps(replicas))
+    """The gateway rendered as the llm_gateway role renders it: from one replicas.json per
+    serving host (its replicas' names start with the host's)."""
+    hosts: dict[str, list[dict]] = {}
+    for replica in replicas:
+        hosts.setdefault(str(replica.get("name", "")).rsplit("-gpu", 1)[0], []).append(replica)
+    files = []
+    for host, rows in (hosts or {"none": []}).items():
+        files.append(tmp_path / f"{host or 'unnamed'}.json")
+        files[-1].write_text(json.dumps(rows))
     return subprocess.run(
         [sys.executable, "-m", "ternary_serve.cli", "fleet", "gateway", "--out", tmp_path / "gw",
-         "--replicas", tmp_path / "replicas.json", "--address", "10.0.0.10", *HOST_PATHS,
-         *settings],
+         "--replicas", *files, "--address", "10.0.0.10", *HOST_PATHS, *settings],
         capture_output=True, text=True, cwd=PROJECT_ROOT,
     )  # fmt: skip
 
@@ -394,6 +401,22 @@ def test_every_replica_serves_through_the_gateway(fleet):
     assert set(servers) == set(REPLICA_NAMES)
     # Every replica up and given requests by least-connections balancing.
     assert all(up and sessions > 0 for up, sessions in servers.values()), servers
+
+
+@pytest.mark.docker
+def test_a_tag_no_host_holds_and_no_bundle_stops_the_rollout_before_it_starts(fleet):
+    """Neither the hosts nor the controller (no `make images-bundle` for it) have the tag: the
+    canary stops at shipping, before any replica is drained."""
+    before = fleet.releases()
+    tag = "never-built"
+    result = fleet.playbook("deploy.yml", "-e", f"release_tag={tag}")
+    assert result.returncode != 0
+    assert f"lacks the images of {tag} and the controller has no bundle" in result.stdout, (
+        result.stdout[-4000:]
+    )
+    assert f"ternary-serve-images-{tag}.tar" in result.stdout
+    assert fleet.releases() == before
+    assert all(up for up, _ in fleet.servers().values())
 
 
 @pytest.mark.docker

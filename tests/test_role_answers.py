@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import tarfile
 from pathlib import Path
 
 import pytest
 
-from ternary_serve import catalog, cli, config, envfile, settings
+from ternary_serve import catalog, cli, config, envfile, settings, versions
 
 ERRORS: list[str] = []
 
@@ -121,6 +122,33 @@ def test_the_manifest_carries_each_replicas_planned_slots(capsys, tmp_path):
     assert {"project", "env_file", "state_dir"} <= set(rows[0])
 
 
+def test_the_replicas_deployed_are_the_manifest_else_the_checkouts_one_project(capsys, tmp_path):
+    """What a rollout and releases.yml walk through: replicas.json where the llm_stack role
+    wrote one, else (a host set up with `make up`) the checkout itself, or the files named."""
+    deployed = ("fleet", "deployed", "--host", "box", "--dir", str(tmp_path))
+    code, alone = ask(capsys, *deployed)
+    assert code == 0
+    assert alone == [
+        {"name": "box", "env_file": str(tmp_path / ".env"), "state_dir": str(tmp_path / "state")}
+    ]
+    code, named = ask(capsys, *deployed, "--env-file", "/srv/a.env", "--state-dir", "/srv/state")
+    assert (named[0]["env_file"], named[0]["state_dir"]) == ("/srv/a.env", "/srv/state")
+    code, rows = ask(
+        capsys, "fleet", "replicas", "--host", "box", "--dir", str(tmp_path), "--gpu-count", "2",
+        "--manifest", "--address", "10.0.0.11",
+    )  # fmt: skip
+    (tmp_path / "replicas.json").write_text(json.dumps(rows))
+    code, found = ask(capsys, *deployed, "--env-file", "/srv/a.env")
+    assert code == 0 and found == rows and len(found) == 2
+
+
+def test_a_replicas_file_cut_by_a_crash_gets_one_line_naming_it(capsys, tmp_path):
+    (tmp_path / "replicas.json").write_text('[{"name": "box-gpu0", "addr')
+    code, out = ask(capsys, "fleet", "deployed", "--host", "box", "--dir", str(tmp_path))
+    assert code == 1 and out is None
+    assert str(tmp_path / "replicas.json") in ERRORS[-1] and len(ERRORS[-1].splitlines()) == 1
+
+
 # --- release history, images, bundle-images ------------------------------------------------------
 
 
@@ -155,9 +183,25 @@ def test_a_releases_images_are_every_image_under_its_tag(capsys, tmp_path):
          "GATEWAY_IMAGE": "g"},
     )  # fmt: skip
     code, found = release(capsys, tmp_path, "images", "--json")
-    assert code == 0 and found == {"tag": "t1", "images": ["s:t1", "m:t1", "k:t1", "g:t1"]}
+    assert code == 0 and found["tag"] == "t1"
+    assert found["images"] == ["s:t1", "m:t1", "k:t1", "g:t1"]
     code, other = release(capsys, tmp_path, "images", "t2", "--json")
     assert other["tag"] == "t2" and all(image.endswith(":t2") for image in other["images"])
+
+
+@pytest.mark.parametrize(
+    "profiles, services",
+    [("gateway", ["llama-server", "gateway"]), ("", ["llama-server"])],
+)
+def test_a_release_keeps_the_gateway_running_only_where_its_profile_is_on(
+    capsys, tmp_path, profiles, services
+):
+    values = settings.resolve({}, {"GATEWAY": "on" if profiles else "off", "REVISION": "r"})
+    env = config.compose_env(versions.load_versions(), values, tmp_path)
+    assert env["COMPOSE_PROFILES"] == profiles  # what Compose starts with `up`
+    envfile.write(tmp_path / ".env", env)
+    code, found = release(capsys, tmp_path, "images", "--json")
+    assert code == 0 and found["services"] == services
 
 
 def test_images_without_a_rendered_env_file_are_refused(capsys, tmp_path):
@@ -184,9 +228,29 @@ def test_a_bundles_images_by_id_in_either_layout_docker_save_writes(capsys, tmp_
             {"Config": f"blobs/sha256/{b}", "RepoTags": ["local/smoke:t1", "local/smoke:x"]},
         ],
     )
-    code, found = release(capsys, tmp_path, "bundle-images", str(bundle), "--json")
-    assert code == 0
-    assert found == {"images": {"local/server:t1": f"sha256:{a}", "local/smoke:t1": f"sha256:{b}"}}
+    code, found = release(
+        capsys, tmp_path, "bundle-images", "t1", "--bundle", str(bundle), "--json"
+    )
+    assert code == 0 and found["found"] and found["bundle"] == str(bundle)
+    assert found["images"] == {"local/server:t1": f"sha256:{a}", "local/smoke:t1": f"sha256:{b}"}
+
+
+def test_without_a_bundle_named_the_tags_own_is_used_where_it_was_made(capsys, tmp_path):
+    """`make images-bundle` leaves build/ternary-serve-images-TAG.tar (docs/operations.md): the
+    roles ship that one when given none, and ship nothing (build on the host, or stop a
+    rollout) while it is not there."""
+    tag = f"test-answers-{os.getpid()}"
+    made = versions.PROJECT_ROOT / "build" / f"ternary-serve-images-{tag}.tar"
+    code, missing = release(capsys, tmp_path, "bundle-images", tag, "--json")
+    assert code == 0 and missing == {"bundle": str(made), "found": False, "images": {}}
+    made.parent.mkdir(exist_ok=True)
+    try:
+        write_bundle(made, [{"Config": f"{'c' * 64}.json", "RepoTags": [f"local/server:{tag}"]}])
+        code, found = release(capsys, tmp_path, "bundle-images", tag, "--json")
+    finally:
+        made.unlink()
+    assert code == 0 and found["found"]
+    assert found["images"] == {f"local/server:{tag}": f"sha256:{'c' * 64}"}
 
 
 @pytest.mark.parametrize("manifest", [[], [{"Config": "no-id", "RepoTags": ["x:t"]}], None])
@@ -196,7 +260,7 @@ def test_a_bundle_that_is_not_one_is_refused(capsys, tmp_path, manifest):
         path.write_text("not a tar archive")
     else:
         write_bundle(path, manifest)
-    code, found = release(capsys, tmp_path, "bundle-images", str(path), "--json")
+    code, found = release(capsys, tmp_path, "bundle-images", "t1", "--bundle", str(path), "--json")
     assert code == 1 and found is None
     assert str(path) in ERRORS[-1]
 
