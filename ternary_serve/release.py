@@ -438,7 +438,7 @@ def deploy(
         config.write_planned(Path(env["SERVER_ENV_FILE"]).parent, files)
         envfile.write(project.env_file, {**project.env(), **derived}, config.ENV_HEADER)
         if memory is not None:
-            print(memory.table(), flush=True)
+            print(config.plan_report(values, memory), flush=True)
         manifest = model_manifest_hash(env)
         append_history(project, tag=tag, status="started", event=event, model_manifest=manifest)
         print(f"{event}: starting {tag}", flush=True)

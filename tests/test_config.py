@@ -408,6 +408,30 @@ def test_a_workload_the_hosts_ram_cannot_hold_is_refused_and_nothing_is_written(
     assert config.main([*args, *where]) == 0, capsys.readouterr().err
 
 
+def test_a_server_the_ram_holds_only_without_the_systems_share_is_refused(tmp_path):
+    """An RTX 4090 plan of Bonsai 2 27B (header only) with chat and the prompt cache on a 16 GB
+    box (MemTotal about 15,800 MiB): the server alone would fit the RAM, and the OS, Docker and
+    the gateway would then swap or be OOM-killed under load. Refused, naming both figures; api
+    without the cache fits."""
+    from ternary_serve import plan, synthetic
+
+    model = synthetic.write_model(tmp_path / "bonsai.gguf", "27b", header_only=True)
+    base = {"BACKEND": "cuda", "VRAM_MIB": "24564"}
+    chat = settings.resolve({}, {**base, "WORKLOAD": "chat", "PROMPT_CACHE": "on"})
+    need = config.host_need(chat, plan.for_settings(chat, model), host_mib=15_800)
+    assert need.server_mib <= 15_800
+    with pytest.raises(config.ConfigError) as refused:
+        need.check()
+    message = str(refused.value)
+    assert f"needs {need.server_mib} MiB" in message and "this host has 15800" in message
+    assert "kept for the system" in message and "PROMPT_CACHE=off" in message
+    api = settings.resolve({}, base)
+    fits = config.host_need(api, plan.for_settings(api, model), host_mib=15_800)
+    fits.check()
+    report = config.plan_report(api, plan.for_settings(api, model))
+    assert "host memory:" in report and "kept for the system" in report
+
+
 def test_each_workload_sets_its_server_flags(tmp_path, tiny_model):
     """The profiles' flags as the server reads them (tests/test_serving.py: on the live server)."""
     base = {"MODEL_DIR": str(tiny_model.parent), "MODEL_FILE": tiny_model.name, "BACKEND": "cpu"}
