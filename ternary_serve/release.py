@@ -385,6 +385,33 @@ def decode_gate(
     return rate, None
 
 
+SERVER_HELP_ENV = re.compile(r"\(env: (LLAMA_ARG_\w+)\)")
+
+
+def unread_server_flags(project: Project, tag: str, server_extra: str) -> str | None:
+    """Why SERVER_EXTRA cannot go live with tag: a name the tag's llama-server does not read (it
+    ignores those silently), from its own --help in the service's container; None when it reads
+    them all. Asked only when SERVER_EXTRA sets something."""
+    names = [pair.split("=", 1)[0] for pair in server_extra.split()]
+    if not names:
+        return None
+    helped = project.compose("run", "--rm", "--no-deps", "llama-server", "--help", tag=tag)
+    known = set(SERVER_HELP_ENV.findall(helped.stdout))
+    if helped.returncode != 0 or not known:
+        return f"cannot list the flags of its llama-server ({last_line(helped)})"
+    # A boolean flag is also read as its negation: LLAMA_ARG_NO_X for LLAMA_ARG_X.
+    unread = [
+        name for name in names
+        if name not in known and name.replace("LLAMA_ARG_NO_", "LLAMA_ARG_", 1) not in known
+    ]  # fmt: skip
+    if not unread:
+        return None
+    return (
+        f"SERVER_EXTRA sets {', '.join(unread)}, which this llama-server does not read "
+        "(`docker compose run --rm --no-deps llama-server --help` lists its LLAMA_ARG_* names)"
+    )
+
+
 def deploy(
     project: Project,
     tag: str,
@@ -413,28 +440,28 @@ def deploy(
             )
             history = read_history(project)
         fallback = current_live(history)
+
+        def refused(detail: str) -> ReleaseError:
+            append_history(project, tag=tag, status="refused", event=event, detail=detail)
+            live = f"{fallback} is still live" if fallback else "nothing was live"
+            return ReleaseError(f"{event} of {tag} refused before any change: {detail}; {live}")
+
         # The model and server flags live in .env, not in the release: a bad one would fail the
         # fallback too. Check it with the new release's model-init while nothing has changed.
         check = project.compose(
             "run", "--rm", "--no-deps", "model-init", tag=tag, timeout=wait_timeout + 120
         )
         if check.returncode != 0:
-            detail = last_line(check)
-            append_history(project, tag=tag, status="refused", event=event, detail=detail)
-            live = f"{fallback} is still live" if fallback else "nothing was live"
-            raise ReleaseError(
-                f"{event} of {tag} refused before any change: model check failed: {detail}; {live}"
-            )
+            raise refused(f"model check failed: {last_line(check)}")
+        unread = unread_server_flags(project, tag, values["SERVER_EXTRA"])
+        if unread:
+            raise refused(unread)
         # Now that the model is in place: plan its memory; render the server's flags, the
         # gateway's configuration and the memory limits with it.
         try:
             files, derived, memory = config.planned(values)
         except errors.ServeError as exc:
-            append_history(project, tag=tag, status="refused", event=event, detail=str(exc))
-            live = f"{fallback} is still live" if fallback else "nothing was live"
-            raise ReleaseError(
-                f"{event} of {tag} refused before any change: {exc}; {live}"
-            ) from None
+            raise refused(str(exc)) from None
         config.write_planned(Path(env["SERVER_ENV_FILE"]).parent, files)
         envfile.write(project.env_file, {**project.env(), **derived}, config.ENV_HEADER)
         if memory is not None:

@@ -178,6 +178,29 @@ def test_bad_model_config_is_refused_and_the_live_release_keeps_serving(
     assert release.current_live(history) == tags["v1"]
 
 
+def test_a_server_flag_the_engine_does_not_read_is_refused_before_any_change(
+    project, tags, tiny_model
+):
+    """llama-server ignores an LLAMA_ARG_* name it does not know: SERVER_EXTRA is checked against
+    the release's own `llama-server --help`; only the unknown name is refused, one line."""
+    stack, proj = project
+    release.deploy(proj, tags["v1"], wait_timeout=WAIT)
+    configure(
+        stack.workdir, tiny_model, stack.name, PUBLISH_PORT=stack.env["PUBLISH_PORT"],
+        SERVER_EXTRA="LLAMA_ARG_THREADS=2 LLAMA_ARG_SPECULATIVE_WISHES=1",
+    )  # fmt: skip
+    with pytest.raises(release.ReleaseError) as refused:
+        release.deploy(proj, tags["v2"], wait_timeout=WAIT)
+    message = str(refused.value)
+    assert "refused before any change: SERVER_EXTRA sets LLAMA_ARG_SPECULATIVE_WISHES," in message
+    assert "LLAMA_ARG_THREADS" not in message.split("does not read")[0].replace(
+        "LLAMA_ARG_SPECULATIVE_WISHES", ""
+    )
+    assert f"{tags['v1']} is still live" in message and "\n" not in message
+    assert serving(stack) == "release-v1" and chat_ok(stack)
+    assert release.read_history(proj)[-1]["status"] == "refused"
+
+
 def test_unknown_tag_is_refused_before_anything_changes(project, tags):
     stack, proj = project
     release.deploy(proj, tags["v1"], wait_timeout=WAIT)
