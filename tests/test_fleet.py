@@ -469,7 +469,13 @@ def test_a_broken_release_stops_at_the_canary_and_the_fleet_keeps_serving(fleet,
             with contextlib.suppress(docker.errors.ImageNotFound):
                 docker.from_env().images.remove(f"{repo}:{tag}")
     assert result.returncode != 0
-    assert f"deploy of {tag} stopped on ts-fleet-a" in result.stdout, result.stdout[-4000:]
+    lines = result.stdout.splitlines()
+    stopped = next((line for line in lines if f"deploy of {tag} stopped on" in line), "")
+    assert stopped, result.stdout[-4000:]
+    # The release CLI's own reason, carried to the rollout's last word.
+    assert "stopped on ts-fleet-a: " in stopped and f"rolled back: {previous} is" in stopped, (
+        stopped
+    )
     # ts-fleet-b never heard of it; on ts-fleet-a only the first replica tried it.
     tried = {name for name, host, state in REPLICA_STATES
              if any(r["tag"] == tag for r in fleet.history(host, state))}  # fmt: skip
