@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # command -> (module, what it does). Modules load on use: the smoke image needs no numpy or docker
@@ -43,7 +44,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if asked_for_help else 2
     module_name, _, function = COMMANDS[argv[0]][0].partition(":")
     module = importlib.import_module(f"ternary_serve.{module_name}")
-    return getattr(module, function or "main")(argv[1:])
+    try:
+        return getattr(module, function or "main")(argv[1:])
+    except BrokenPipeError:
+        # The reader stopped early (`| head`): exit as a tool killed by SIGPIPE does, without a
+        # traceback, and without Python's second one when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -447,3 +449,18 @@ def test_each_workload_sets_its_server_flags(tmp_path, tiny_model):
     configure(tmp_path, PROMPT_CACHE="on")
     cached = server_flags(tmp_path)
     assert (cached["LLAMA_ARG_CACHE_RAM"], cached["LLAMA_ARG_CACHE_IDLE_SLOTS"]) == ("8192", "1")
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`make settings | head`: the CLI's stdout closes under it; it exits as a tool killed by
+    SIGPIPE does (141), saying nothing."""
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "ternary_serve.cli", "settings"],
+            stdout=writer, stderr=subprocess.PIPE, text=True, cwd=PROJECT_ROOT,
+        )  # fmt: skip
+    finally:
+        os.close(writer)
+    assert (result.returncode, result.stderr) == (141, "")
