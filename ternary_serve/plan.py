@@ -12,8 +12,8 @@
 
 Slots: as many as fit (up to MAX_SLOTS) with f16 first, q8_0 when f16 cannot give the asked
 context. A setting that cannot fit is refused before anything changes, naming what would fit.
-`ternary-serve plan MODEL.gguf [--vram-mib N]` prints the table; config renders the server flags
-from the same plan.
+`ternary-serve plan MODEL.gguf [--vram-mib N] [NAME=value ...]` prints the table for the configured
+settings (.env's, under the ones given); config renders the server flags from the same plan.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ternary_serve import errors, gpu, weights
 from ternary_serve.files import write_json
+from ternary_serve.versions import ENV_FILE
 
 MIB = 2**20
 MAX_SLOTS = 16  # aggregate decode keeps rising to 16 streams on an H200 (docs/bench.md)
@@ -348,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vram-mib", help="plan for a card of this size instead of reading the GPU")
     ap.add_argument("--json", type=Path, help="also write the plan here")
     ap.add_argument(
+        "--env-file", type=Path, default=ENV_FILE, help="the configured settings (default .env)"
+    )
+    ap.add_argument(
         "assignments", nargs="*", metavar="NAME=value",
         help="settings to plan with (CONTEXT, SLOTS, KV_TYPE, BACKEND, GPU, UBATCH...)",
     )  # fmt: skip
@@ -357,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         given = settings.parse_assignments(args.assignments)
         if args.vram_mib:
             given["VRAM_MIB"] = args.vram_mib
-        memory = for_settings(settings.resolve({}, given), args.model)
+        memory = for_settings(
+            settings.resolve(settings.configured(args.env_file), given), args.model
+        )
         print(memory.table())
         if args.json:
             write_json(args.json, memory.as_dict())

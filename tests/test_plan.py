@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from ternary_serve import plan, settings, synthetic
+from ternary_serve import config, plan, settings, synthetic
 
 MIB = 2**20
 
@@ -121,8 +121,6 @@ def test_context_beyond_training_is_refused(llama_tiny):
 
 
 def test_config_refuses_a_plan_that_cannot_fit_and_writes_nothing(tiny_model, tmp_path, capsys):
-    from ternary_serve import config
-
     args = [f"MODEL_DIR={tiny_model.parent}", f"MODEL_FILE={tiny_model.name}", "VRAM_MIB=2048",
             "SLOTS=64", "CONTEXT=32768"]  # fmt: skip
     code = config.main([*args, "--env-file", str(tmp_path / ".env"), "--state-dir", str(tmp_path)])
@@ -134,11 +132,28 @@ def test_config_refuses_a_plan_that_cannot_fit_and_writes_nothing(tiny_model, tm
 
 def test_plan_command_prints_the_table(tiny_model, capsys, tmp_path):
     out = tmp_path / "plan.json"
-    assert plan.main([str(tiny_model), "--vram-mib", "24564", "--json", str(out)]) == 0
+    unconfigured = ["--env-file", str(tmp_path / "none" / ".env")]
+    assert (
+        plan.main([str(tiny_model), "--vram-mib", "24564", "--json", str(out), *unconfigured]) == 0
+    )
     table = capsys.readouterr().out
     for row in ("weights", "KV cache (f16, 16 x 8192 tokens)", "recurrent state", "compute"):
         assert row in table
     assert '"slots": 16' in out.read_text()
+
+
+def test_make_plan_plans_with_the_configured_settings(tiny_model, capsys, tmp_path):
+    """`make plan` after `make config CONTEXT=4096 SLOTS=2 KV_TYPE=q8_0`: that plan, not the
+    defaults'; a setting given on the command line still wins."""
+    where = ["--env-file", str(tmp_path / ".env"), "--state-dir", str(tmp_path)]
+    chosen = ["BACKEND=cpu", "CONTEXT=4096", "SLOTS=2", "KV_TYPE=q8_0", "VRAM_MIB=24564",
+              f"MODEL_DIR={tiny_model.parent}", f"MODEL_FILE={tiny_model.name}"]  # fmt: skip
+    assert config.main([*chosen, *where]) == 0
+    capsys.readouterr()
+    assert plan.main([str(tiny_model), "--env-file", str(tmp_path / ".env")]) == 0
+    assert "KV cache (q8_0, 2 x 4096 tokens)" in capsys.readouterr().out
+    assert plan.main([str(tiny_model), "--env-file", str(tmp_path / ".env"), "SLOTS=3"]) == 0
+    assert "KV cache (q8_0, 3 x 4096 tokens)" in capsys.readouterr().out
 
 
 def stand_in_nvidia_smi(tmp_path, monkeypatch, script: str) -> None:
@@ -167,7 +182,7 @@ def test_the_plan_sizes_the_server_by_the_card_nvidia_smi_reports(
         "echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver.'"
         "; exit 9",
     )
-    assert plan.main([str(tiny_model), "BACKEND=cuda"]) == 1
+    assert plan.main([str(tiny_model), "BACKEND=cuda", "--env-file", str(tmp_path / ".env")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith("plan: cannot read GPU 0's memory (NVIDIA-SMI has failed because")
