@@ -409,12 +409,20 @@ def test_a_tag_no_host_holds_and_no_bundle_stops_the_rollout_before_it_starts(fl
     canary stops at shipping, before any replica is drained."""
     before = fleet.releases()
     tag = "never-built"
-    result = fleet.playbook("deploy.yml", "-e", f"release_tag={tag}")
+    # The inventory names a bundle (the fixtures', of another release); then none at all.
+    named = fleet.playbook("deploy.yml", "-e", f"release_tag={tag}")
+    assert named.returncode != 0
+    assert f"does not hold ternary-serve/llama-server:{tag}" in named.stdout, named.stdout[-4000:]
+    result = fleet.playbook(
+        "deploy.yml", "-e", f"release_tag={tag}", "-e", "llm_stack_images_bundle="
+    )
     assert result.returncode != 0
     assert f"lacks the images of {tag} and the controller has no bundle" in result.stdout, (
         result.stdout[-4000:]
     )
     assert f"ternary-serve-images-{tag}.tar" in result.stdout
+    for run in (named, result):
+        assert "Drain" not in run.stdout and "deploy of never-built stopped" not in run.stdout
     assert fleet.releases() == before
     assert all(up for up, _ in fleet.servers().values())
 
